@@ -1,0 +1,27 @@
+"""Device mesh, logical-axis rules and shardings for the detector.
+
+Data parallelism and model parallelism are one mechanism here: every array
+carries a `NamedSharding` on a `('data', 'fsdp', 'model')` mesh, derived from
+logical axis names and the rules in `config.sharding.rules`.
+"""
+
+from sharding.mesh import MESH_AXES, MeshError, batch_axes, check_global_batch, create_mesh, resolve_mesh_shape
+from sharding.partitioning import (
+    logical_rules,
+    mesh_sharding_for_logical_specs,
+    replicated,
+    batch_sharding,
+)
+
+__all__ = [
+    "MESH_AXES",
+    "MeshError",
+    "batch_axes",
+    "batch_sharding",
+    "check_global_batch",
+    "create_mesh",
+    "logical_rules",
+    "mesh_sharding_for_logical_specs",
+    "replicated",
+    "resolve_mesh_shape",
+]

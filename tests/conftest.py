@@ -1,0 +1,18 @@
+"""Test setup: 8 fake CPU devices, configured before jax is imported."""
+
+import os
+
+os.environ["XLA_FLAGS"] = (
+    os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
+).strip()
+os.environ["JAX_PLATFORMS"] = "cpu"
+# TensorFlow is only the input pipeline here; keep it quiet and off any GPU.
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+os.environ["CUDA_VISIBLE_DEVICES"] = ""
+
+import jax  # noqa: E402  (must come after the environment above)
+
+assert jax.device_count() == 8, (
+    "tests need 8 fake CPU devices; jax was imported before tests/conftest.py "
+    f"set XLA_FLAGS (found {jax.device_count()} devices)"
+)
