@@ -1,0 +1,89 @@
+"""Tiny RetinaNet on the embedded synthetic-shapes dataset: trains on a laptop CPU.
+
+python -m detector.train --config=configs/default.py --workdir=runs/default
+"""
+
+import ml_collections
+
+
+def get_config() -> ml_collections.ConfigDict:
+    config = ml_collections.ConfigDict()
+    config.seed = 0
+
+    # Mesh: -1 fills the devices the other axes leave. The global batch is
+    # split over data x fsdp; parameters over fsdp (and model, where the rules say).
+    config.mesh = ml_collections.ConfigDict(dict(data=-1, fsdp=1, model=1))
+    config.sharding = ml_collections.ConfigDict()
+    config.sharding.rules = (
+        ("batch", ("data", "fsdp")),
+        ("height", None),
+        ("width", None),
+        ("channels", "model"),
+        ("kernel_h", None),
+        ("kernel_w", None),
+        ("conv_in", "fsdp"),
+        ("conv_out", "model"),
+    )
+
+    config.dataset = ml_collections.ConfigDict()
+    config.dataset.name = "synthetic_shapes"
+    config.dataset.data_dir = ml_collections.FieldReference(None, field_type=str)
+    config.dataset.train_split = "train"
+    config.dataset.eval_split = "validation"
+    config.dataset.num_train_examples = 4096
+    config.dataset.num_eval_examples = 256
+    config.dataset.image_size = 128
+
+    config.input = ml_collections.ConfigDict()
+    config.input.image_size = (128, 128)
+    config.input.max_boxes = 16
+    config.input.scale_jitter = (0.75, 1.25)
+    config.input.horizontal_flip = True
+    config.input.mean_rgb = (123.675, 116.28, 103.53)
+    config.input.std_rgb = (58.395, 57.12, 57.375)
+    config.input.min_box_size = 2.0
+    config.input.shuffle_buffer = 1024
+    config.input.prefetch = 2
+
+    config.model = ml_collections.ConfigDict()
+    config.model.dtype = "float32"
+    config.model.remat = False
+    config.model.backbone = ml_collections.ConfigDict(dict(stage_sizes=(1, 1, 1, 1), width=16, block="basic"))
+    config.model.fpn_features = 64
+    config.model.head_convs = 2
+    config.model.head_features = 64
+    config.model.anchors = ml_collections.ConfigDict(dict(
+        min_level=3, max_level=5, num_scales=3, aspect_ratios=(0.5, 1.0, 2.0), anchor_size=2.0))
+
+    config.loss = ml_collections.ConfigDict()
+    config.loss.positive_iou = 0.5
+    config.loss.negative_iou = 0.4
+    config.loss.allow_low_quality_matches = True
+    config.loss.focal_alpha = 0.25
+    config.loss.focal_gamma = 2.0
+    config.loss.box_loss = "giou"
+    config.loss.huber_delta = 0.1
+    config.loss.box_loss_weight = 1.0
+    config.loss.box_coder_weights = (1.0, 1.0, 1.0, 1.0)
+
+    config.postprocess = ml_collections.ConfigDict(dict(
+        pre_nms_top_k=1000, score_threshold=0.05, iou_threshold=0.5, max_detections=100))
+
+    config.optimizer = ml_collections.ConfigDict()
+    config.optimizer.name = "adamw"
+    config.optimizer.learning_rate = 2e-3
+    config.optimizer.schedule = "cosine"  # or "step": x0.1 at each of decay_boundaries
+    config.optimizer.decay_boundaries = ()
+    config.optimizer.momentum = 0.9
+    config.optimizer.weight_decay = 1e-4
+    config.optimizer.warmup_steps = 100
+    config.optimizer.grad_clip_norm = 1.0
+
+    config.global_batch_size = 16
+    config.total_steps = 1500
+    config.log_every_steps = 50
+    config.eval_every_steps = 500
+    config.checkpoint_every_steps = 500
+    config.keep_checkpoints = 3
+    config.eval_batch_size = 32
+    return config

@@ -1,0 +1,60 @@
+"""RetinaNet ResNet-50-FPN on COCO 2017, 1x schedule (the detectron2/torchvision recipe).
+
+90k steps at global batch 16, SGD momentum 0.9, lr 0.01 with a 1k-step
+linear warmup and x0.1 steps at 60k and 80k, weight decay 1e-4; focal loss
+(alpha 0.25, gamma 2), anchors 4x stride with 3 scales x 3 ratios on P3-P7.
+Inputs are padded to a static 1024x1024 (XLA needs static shapes) with
+flip and mild scale jitter. GroupNorm replaces frozen BatchNorm, since the
+backbone here trains from scratch unless pretrained weights are loaded.
+
+python -m detector.train --config=configs/retinanet_r50_coco.py --workdir=DIR \
+    --config.dataset.data_dir=TFDS_DIR
+"""
+
+import ml_collections
+
+from configs import default
+
+
+def get_config() -> ml_collections.ConfigDict:
+    config = default.get_config()
+
+    config.dataset.name = "coco/2017"
+    config.dataset.eval_split = "validation"
+
+    config.input.image_size = (1024, 1024)
+    config.input.max_boxes = 100
+    config.input.scale_jitter = (0.8, 1.25)
+    config.input.shuffle_buffer = 4096
+    config.input.prefetch = 4
+
+    config.model.backbone.stage_sizes = (3, 4, 6, 3)
+    config.model.backbone.width = 64
+    config.model.backbone.block = "bottleneck"
+    config.model.fpn_features = 256
+    config.model.head_convs = 4
+    config.model.head_features = 256
+    config.model.anchors.min_level = 3
+    config.model.anchors.max_level = 7
+    config.model.anchors.anchor_size = 4.0
+
+    config.loss.box_loss = "huber"
+    config.loss.huber_delta = 0.1
+
+    config.postprocess.pre_nms_top_k = 1000
+    config.postprocess.max_detections = 100
+
+    config.optimizer.name = "sgd"
+    config.optimizer.learning_rate = 0.01
+    config.optimizer.schedule = "step"
+    config.optimizer.decay_boundaries = (60_000, 80_000)
+    config.optimizer.warmup_steps = 1000
+    config.optimizer.grad_clip_norm = 0.0
+
+    config.global_batch_size = 16
+    config.eval_batch_size = 16
+    config.total_steps = 90_000
+    config.log_every_steps = 100
+    config.eval_every_steps = 10_000
+    config.checkpoint_every_steps = 5_000
+    return config

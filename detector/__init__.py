@@ -1,0 +1,1 @@
+"""A sharded JAX/Flax object detector: model, losses, box math, training and evaluation."""

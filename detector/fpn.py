@@ -1,0 +1,62 @@
+"""Feature pyramid network (Lin et al. 2017) with RetinaNet's P6/P7 extension."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+
+from detector.layers import Conv, constrain_activation
+
+
+def _upsample_to(x: jax.Array, height: int, width: int) -> jax.Array:
+    """Nearest-neighbour 2x upsampling, cropped to the target size (odd inputs)."""
+    x = jnp.repeat(jnp.repeat(x, 2, axis=1), 2, axis=2)
+    return x[:, :height, :width, :]
+
+
+class FPN(nn.Module):
+    """Builds P{min_level}..P{max_level} from backbone features C2..C5.
+
+    Levels above 5 are made by stride-2 3x3 convolutions on P5 (the
+    torchvision/detectron2 RetinaNet variant: "p5" input).
+
+    Returns:
+      dict {level: [B, ceil(H/2**level), ceil(W/2**level), features]}.
+    """
+
+    features: int = 256
+    min_level: int = 3
+    max_level: int = 7
+    dtype: Any = jnp.float32
+
+    @nn.compact
+    def __call__(self, backbone_features: dict[int, jax.Array]) -> dict[int, jax.Array]:
+        top_backbone_level = max(backbone_features)
+        fused_levels = range(self.min_level, min(self.max_level, top_backbone_level) + 1)
+        laterals = {
+            level: Conv(self.features, 1, dtype=self.dtype, kernel_init=nn.initializers.lecun_normal(),
+                        name=f"lateral{level}")(backbone_features[level])
+            for level in fused_levels
+        }
+        merged = {}
+        for level in reversed(fused_levels):
+            x = laterals[level]
+            if level + 1 in merged:
+                x = x + _upsample_to(merged[level + 1], x.shape[1], x.shape[2])
+            merged[level] = x
+        pyramid = {
+            level: constrain_activation(
+                Conv(self.features, 3, dtype=self.dtype, kernel_init=nn.initializers.lecun_normal(),
+                     name=f"output{level}")(merged[level]))
+            for level in fused_levels
+        }
+        x = pyramid[max(fused_levels)]
+        for level in range(max(fused_levels) + 1, self.max_level + 1):
+            x = x if level == top_backbone_level + 1 else nn.relu(x)
+            x = Conv(self.features, 3, 2, dtype=self.dtype, kernel_init=nn.initializers.lecun_normal(),
+                     name=f"extra{level}")(x)
+            pyramid[level] = constrain_activation(x)
+        return pyramid

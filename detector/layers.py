@@ -1,0 +1,78 @@
+"""Convolution and normalisation layers whose parameters carry logical axis names.
+
+Kernels are `[kh, kw, in, out]` with logical names
+`('kernel_h', 'kernel_w', 'conv_in', 'conv_out')`; per-channel vectors are
+`('conv_out',)`. Activations are `[batch, height, width, channels]` with names
+`('batch', 'height', 'width', 'channels')`. `config.sharding.rules` maps these
+names to mesh axes.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+
+KERNEL_AXES = ("kernel_h", "kernel_w", "conv_in", "conv_out")
+CHANNEL_AXES = ("conv_out",)
+ACTIVATION_AXES = ("batch", "height", "width", "channels")
+
+
+def constrain_activation(x: jax.Array) -> jax.Array:
+    """Pins a `[B, H, W, C]` activation to the mesh as the logical rules say."""
+    return nn.with_logical_constraint(x, ACTIVATION_AXES)
+
+
+class Conv(nn.Module):
+    """`nn.Conv` with logically partitioned kernel and bias ('SAME' padding)."""
+
+    features: int
+    kernel_size: int = 3
+    strides: int = 1
+    use_bias: bool = True
+    dtype: Any = jnp.float32
+    kernel_init: Any = nn.initializers.variance_scaling(2.0, "fan_out", "normal")
+    bias_init: Any = nn.initializers.zeros
+
+    @nn.compact
+    def __call__(self, x: jax.Array) -> jax.Array:
+        return nn.Conv(
+            self.features,
+            (self.kernel_size, self.kernel_size),
+            strides=(self.strides, self.strides),
+            padding="SAME",
+            use_bias=self.use_bias,
+            dtype=self.dtype,
+            param_dtype=jnp.float32,
+            kernel_init=nn.with_logical_partitioning(self.kernel_init, KERNEL_AXES),
+            bias_init=nn.with_logical_partitioning(self.bias_init, CHANNEL_AXES),
+        )(x)
+
+
+class Norm(nn.Module):
+    """GroupNorm with logically partitioned scale/bias.
+
+    GroupNorm rather than BatchNorm: detection trains at a few images per
+    device, where batch statistics are noisy, and it keeps the model free of
+    mutable state, so results do not depend on how the batch is sharded.
+    """
+
+    num_groups: int = 8
+    dtype: Any = jnp.float32
+    scale_init: Any = nn.initializers.ones
+
+    @nn.compact
+    def __call__(self, x: jax.Array) -> jax.Array:
+        channels = x.shape[-1]
+        groups = min(self.num_groups, channels)
+        while channels % groups:
+            groups -= 1
+        return nn.GroupNorm(
+            num_groups=groups,
+            dtype=self.dtype,
+            param_dtype=jnp.float32,
+            scale_init=nn.with_logical_partitioning(self.scale_init, CHANNEL_AXES),
+            bias_init=nn.with_logical_partitioning(nn.initializers.zeros, CHANNEL_AXES),
+        )(x)

@@ -1,0 +1,84 @@
+"""The train state, its shardings, and sharded initialisation.
+
+Shardings come from the parameters' logical axis names: an abstract init
+(`jax.eval_shape`) gives the parameter shapes and names without allocating
+anything, the config's rules turn names into mesh axes, and the optimizer
+state inherits the sharding of the parameter it belongs to.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import flax
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import optax
+from jax.sharding import Mesh, NamedSharding
+
+from sharding import mesh_sharding_for_logical_specs, replicated
+
+
+@flax.struct.dataclass
+class TrainState:
+    step: jax.Array  # int32 scalar: optimizer steps taken
+    params: Any
+    opt_state: Any
+
+
+def _strip_axis_metadata(boxed_params):
+    # `nn.meta.unbox` would also apply sharding constraints, which is only
+    # valid on traced arrays; here the caller sets shardings explicitly.
+    return jax.tree.map(lambda x: x.unbox(apply_constraint=False) if isinstance(x, nn.meta.AxisMetadata) else x,
+                        boxed_params, is_leaf=lambda x: isinstance(x, nn.meta.AxisMetadata))
+
+
+def _init_params(model: nn.Module, image_size: tuple[int, int], rng: jax.Array):
+    dummy_images = jnp.zeros((1, *image_size, 3), jnp.float32)
+    return model.init(rng, dummy_images)["params"]
+
+
+def state_shardings(model: nn.Module, tx: optax.GradientTransformation, image_size: tuple[int, int],
+                    mesh: Mesh, rules) -> tuple[TrainState, TrainState]:
+    """Returns (abstract_state, shardings) without allocating parameters.
+
+    `abstract_state` holds `jax.ShapeDtypeStruct`s carrying their sharding, the
+    form Orbax needs to restore a checkpoint onto this mesh.
+    Must run inside `jax.set_mesh(mesh)` and `nn.logical_axis_rules(rules)`.
+    """
+    boxed = jax.eval_shape(lambda r: _init_params(model, image_size, r), jax.random.key(0))
+    logical_specs = nn.get_partition_spec(boxed)
+    abstract_params = _strip_axis_metadata(boxed)
+    param_shardings = mesh_sharding_for_logical_specs(abstract_params, logical_specs, mesh, rules)
+    abstract_opt_state = jax.eval_shape(tx.init, abstract_params)
+    opt_shardings = optax.tree_map_params(
+        tx, lambda _, sharding: sharding, abstract_opt_state, param_shardings,
+        transform_non_params=lambda _: replicated(mesh))
+    shardings = TrainState(step=replicated(mesh), params=param_shardings, opt_state=opt_shardings)
+    abstract = TrainState(step=jax.ShapeDtypeStruct((), jnp.int32), params=abstract_params,
+                          opt_state=abstract_opt_state)
+    abstract = jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), abstract, shardings)
+    return abstract, shardings
+
+
+def init_train_state(model: nn.Module, tx: optax.GradientTransformation, image_size: tuple[int, int],
+                     shardings: TrainState, rng: jax.Array) -> TrainState:
+    """Initialises the state directly in its sharded layout (no host-side full copy)."""
+
+    def init(rng):
+        params = _strip_axis_metadata(_init_params(model, image_size, rng))
+        return TrainState(step=jnp.zeros((), jnp.int32), params=params, opt_state=tx.init(params))
+
+    return jax.jit(init, out_shardings=shardings)(rng)
+
+
+def count_params(params) -> int:
+    return sum(x.size for x in jax.tree.leaves(params))
+
+
+def describe_param_shardings(params) -> dict[str, str]:
+    """`{'backbone/stem_conv/Conv_0/kernel': 'P(None, None, None, model)', ...}` for logs and tests."""
+    flat = flax.traverse_util.flatten_dict(params, sep="/")
+    return {k: str(v.sharding.spec) if isinstance(getattr(v, "sharding", None), NamedSharding) else "?"
+            for k, v in flat.items()}
