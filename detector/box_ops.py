@@ -1,0 +1,210 @@
+"""Box geometry and box coding.
+
+Every box in this project is a float32 ``[..., 4]`` array in absolute pixels,
+ordered ``(y0, x0, y1, x1)`` ("yxyx"). Only :func:`yxyx_to_xywh` and
+:func:`xywh_to_yxyx` deal in COCO's ``(x, y, width, height)``.
+
+All functions are pure ``jax.numpy``: they broadcast over leading dimensions,
+have static output shapes and work under ``jit``, ``vmap`` and ``grad``.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Sequence
+
+import jax.numpy as jnp
+
+# detectron2's bound on exp() of the size deltas: a box may grow at most
+# 1000/16 times its anchor, which keeps exp() finite for wild early predictions.
+DEFAULT_MAX_LOG_SCALE = math.log(1000.0 / 16)
+
+# Guards divisions and logs against zero-sized boxes (padding, degenerate gts)
+# without visibly changing any box of at least a thousandth of a pixel.
+_EPS = 1e-6
+
+BoxCoderWeights = Sequence[float]
+
+
+def _split(boxes_yxyx):
+    return (boxes_yxyx[..., 0], boxes_yxyx[..., 1], boxes_yxyx[..., 2],
+            boxes_yxyx[..., 3])
+
+
+def _safe_div(num, den):
+    """num / den, 0 where den == 0, with finite gradients on both branches."""
+    nonzero = den > 0
+    return jnp.where(nonzero, num / jnp.where(nonzero, den, 1.0), 0.0)
+
+
+def area(boxes_yxyx):
+    """Box areas.
+
+    Args:
+        boxes_yxyx: float ``[..., 4]`` boxes in pixels.
+
+    Returns:
+        float ``[...]`` areas in square pixels; boxes with y1 < y0 or x1 < x0
+        count as empty (area 0) rather than negative.
+    """
+    y0, x0, y1, x1 = _split(boxes_yxyx)
+    return jnp.maximum(y1 - y0, 0.0) * jnp.maximum(x1 - x0, 0.0)
+
+
+def _intersection(boxes1_yxyx, boxes2_yxyx):
+    """Intersection area of (broadcast-)aligned boxes, ``[..., 4] -> [...]``."""
+    y0 = jnp.maximum(boxes1_yxyx[..., 0], boxes2_yxyx[..., 0])
+    x0 = jnp.maximum(boxes1_yxyx[..., 1], boxes2_yxyx[..., 1])
+    y1 = jnp.minimum(boxes1_yxyx[..., 2], boxes2_yxyx[..., 2])
+    x1 = jnp.minimum(boxes1_yxyx[..., 3], boxes2_yxyx[..., 3])
+    return jnp.maximum(y1 - y0, 0.0) * jnp.maximum(x1 - x0, 0.0)
+
+
+def _aligned_iou_and_union(boxes1_yxyx, boxes2_yxyx):
+    inter = _intersection(boxes1_yxyx, boxes2_yxyx)
+    union = area(boxes1_yxyx) + area(boxes2_yxyx) - inter
+    return _safe_div(inter, union), union
+
+
+def pairwise_iou(boxes1_yxyx, boxes2_yxyx):
+    """IoU of every box in one set with every box in another.
+
+    Args:
+        boxes1_yxyx: float ``[..., N, 4]`` boxes in pixels.
+        boxes2_yxyx: float ``[..., M, 4]`` boxes in pixels; leading dims broadcast
+            with those of ``boxes1_yxyx``.
+
+    Returns:
+        float ``[..., N, M]`` IoU in [0, 1]; 0 where the union is empty (two
+        degenerate boxes).
+    """
+    iou, _ = _aligned_iou_and_union(boxes1_yxyx[..., :, None, :],
+                                    boxes2_yxyx[..., None, :, :])
+    return iou
+
+
+def elementwise_iou(boxes1_yxyx, boxes2_yxyx):
+    """IoU of aligned boxes, ``[..., 4] x [..., 4] -> [...]`` (0 for empty union)."""
+    iou, _ = _aligned_iou_and_union(boxes1_yxyx, boxes2_yxyx)
+    return iou
+
+
+def generalized_iou(boxes1_yxyx, boxes2_yxyx):
+    """Generalized IoU (Rezatofighi et al. 2019) of aligned boxes.
+
+    GIoU = IoU - (C - U) / C with C the area of the smallest enclosing box and
+    U the union. It is 1 for identical boxes and tends to -1 as the boxes move
+    apart, so ``1 - GIoU`` still has a gradient for disjoint boxes.
+
+    Args:
+        boxes1_yxyx: float ``[..., 4]`` boxes in pixels.
+        boxes2_yxyx: float ``[..., 4]`` boxes in pixels (broadcastable).
+
+    Returns:
+        float ``[...]`` in [-1, 1].
+    """
+    iou, union = _aligned_iou_and_union(boxes1_yxyx, boxes2_yxyx)
+    y0 = jnp.minimum(boxes1_yxyx[..., 0], boxes2_yxyx[..., 0])
+    x0 = jnp.minimum(boxes1_yxyx[..., 1], boxes2_yxyx[..., 1])
+    y1 = jnp.maximum(boxes1_yxyx[..., 2], boxes2_yxyx[..., 2])
+    x1 = jnp.maximum(boxes1_yxyx[..., 3], boxes2_yxyx[..., 3])
+    enclosing = jnp.maximum(y1 - y0, 0.0) * jnp.maximum(x1 - x0, 0.0)
+    return iou - _safe_div(enclosing - union, enclosing)
+
+
+def _centre_size(boxes_yxyx):
+    y0, x0, y1, x1 = _split(boxes_yxyx)
+    h = y1 - y0
+    w = x1 - x0
+    return y0 + 0.5 * h, x0 + 0.5 * w, h, w
+
+
+def encode_boxes(boxes_yxyx, anchors_yxyx,
+                 weights: BoxCoderWeights = (1.0, 1.0, 1.0, 1.0)):
+    """Encodes boxes as regression deltas relative to anchors.
+
+    The Faster R-CNN / RetinaNet coding on box centres and sizes:
+    ``(ty, tx, th, tw) = (wy*dy/ha, wx*dx/wa, wh*log(h/ha), ww*log(w/wa))``.
+
+    Args:
+        boxes_yxyx: float ``[..., 4]`` target boxes in pixels.
+        anchors_yxyx: float ``[..., 4]`` anchors in pixels (broadcastable).
+        weights: ``(wy, wx, wh, ww)`` multipliers (detectron2's
+            ``BBOX_REG_WEIGHTS``).
+
+    Returns:
+        float ``[..., 4]`` deltas ``(ty, tx, th, tw)``, dimensionless. Sizes below
+        a tiny epsilon are clamped to it so degenerate boxes give finite deltas.
+    """
+    wy, wx, wh, ww = weights
+    cy, cx, h, w = _centre_size(boxes_yxyx)
+    acy, acx, ah, aw = _centre_size(anchors_yxyx)
+    ah = jnp.maximum(ah, _EPS)
+    aw = jnp.maximum(aw, _EPS)
+    ty = wy * (cy - acy) / ah
+    tx = wx * (cx - acx) / aw
+    th = wh * jnp.log(jnp.maximum(h, _EPS) / ah)
+    tw = ww * jnp.log(jnp.maximum(w, _EPS) / aw)
+    return jnp.stack([ty, tx, th, tw], axis=-1)
+
+
+def decode_boxes(deltas, anchors_yxyx,
+                 weights: BoxCoderWeights = (1.0, 1.0, 1.0, 1.0),
+                 max_log_scale: float = DEFAULT_MAX_LOG_SCALE):
+    """Inverse of :func:`encode_boxes`.
+
+    Args:
+        deltas: float ``[..., 4]`` deltas ``(ty, tx, th, tw)``.
+        anchors_yxyx: float ``[..., 4]`` anchors in pixels (broadcastable).
+        weights: the ``(wy, wx, wh, ww)`` used for encoding.
+        max_log_scale: upper bound on ``th/wh`` and ``tw/ww`` before ``exp`` so
+            a box grows at most ``exp(max_log_scale)`` times its anchor.
+
+    Returns:
+        float ``[..., 4]`` boxes in pixels (not clipped to any image).
+    """
+    wy, wx, wh, ww = weights
+    acy, acx, ah, aw = _centre_size(anchors_yxyx)
+    dy = deltas[..., 0] / wy
+    dx = deltas[..., 1] / wx
+    dh = jnp.minimum(deltas[..., 2] / wh, max_log_scale)
+    dw = jnp.minimum(deltas[..., 3] / ww, max_log_scale)
+    cy = dy * ah + acy
+    cx = dx * aw + acx
+    h = jnp.exp(dh) * ah
+    w = jnp.exp(dw) * aw
+    return jnp.stack([cy - 0.5 * h, cx - 0.5 * w, cy + 0.5 * h, cx + 0.5 * w],
+                     axis=-1)
+
+
+def clip_boxes(boxes_yxyx, height, width):
+    """Clips boxes to the image ``[0, height] x [0, width]``.
+
+    Args:
+        boxes_yxyx: float ``[..., 4]`` boxes in pixels.
+        height: image height in pixels; a Python number or an array broadcastable
+            to ``boxes_yxyx.shape[:-1]`` (e.g. one height per image).
+        width: image width in pixels, same rules as ``height``.
+
+    Returns:
+        float ``[..., 4]`` clipped boxes.
+    """
+    dtype = boxes_yxyx.dtype
+    height, width = jnp.broadcast_arrays(jnp.asarray(height, dtype),
+                                         jnp.asarray(width, dtype))
+    height = height[..., None]
+    width = width[..., None]
+    upper = jnp.concatenate([height, width, height, width], axis=-1)
+    return jnp.clip(boxes_yxyx, 0.0, upper)
+
+
+def yxyx_to_xywh(boxes_yxyx):
+    """``(y0, x0, y1, x1)`` -> COCO ``(x, y, width, height)``, ``[..., 4]``."""
+    y0, x0, y1, x1 = _split(boxes_yxyx)
+    return jnp.stack([x0, y0, x1 - x0, y1 - y0], axis=-1)
+
+
+def xywh_to_yxyx(boxes_xywh):
+    """COCO ``(x, y, width, height)`` -> ``(y0, x0, y1, x1)``, ``[..., 4]``."""
+    x, y, w, h = _split(boxes_xywh)
+    return jnp.stack([y, x, y + h, x + w], axis=-1)

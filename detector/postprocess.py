@@ -1,0 +1,140 @@
+"""Post-processing with static shapes: top-k, box decoding and greedy NMS."""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+import jax
+import jax.numpy as jnp
+
+from detector import box_ops
+
+
+def non_max_suppression(boxes_yxyx, scores, iou_threshold: float,
+                        max_output_size: int, classes=None):
+    """Greedy non-maximum suppression for one set of boxes, static shapes.
+
+    Same selection rule as ``tf.image.non_max_suppression``: visit boxes in
+    descending score order, keep a box unless its IoU with an already kept box
+    exceeds ``iou_threshold``. Boxes with score ``-inf`` are never kept, which
+    is how callers drop candidates without changing shapes.
+
+    Cost: one ``[K, K]`` IoU matrix plus a K-step sequential loop of O(K) work.
+
+    Args:
+        boxes_yxyx: float ``[K, 4]`` boxes in pixels.
+        scores: float ``[K]``.
+        iou_threshold: a kept box suppresses boxes with IoU strictly above this.
+        max_output_size: static number of output slots.
+        classes: optional int ``[K]``; when given, boxes only suppress boxes of
+            the same class (class-aware NMS in one call).
+
+    Returns:
+        ``(indices, valid)``: int32 ``[max_output_size]`` indices into the K
+        inputs in descending score order, and bool ``[max_output_size]``; unused
+        slots hold index 0 and valid False.
+    """
+    boxes_yxyx = jnp.asarray(boxes_yxyx, jnp.float32)
+    scores = jnp.asarray(scores, jnp.float32)
+    num_boxes = boxes_yxyx.shape[0]
+    order = jnp.argsort(-scores, stable=True)
+    sorted_boxes = boxes_yxyx[order]
+    candidate = scores[order] > -jnp.inf
+    overlaps = box_ops.pairwise_iou(sorted_boxes, sorted_boxes) > iou_threshold
+    if classes is not None:
+        sorted_classes = jnp.asarray(classes)[order]
+        overlaps = overlaps & (sorted_classes[:, None] == sorted_classes[None, :])
+
+    def body(i, keep):
+        # keep[j] for j > i still means "not suppressed so far"; position i is
+        # final once every earlier box has been visited.
+        keep_i = keep[i]
+        suppress = overlaps[i] & (jnp.arange(num_boxes) > i) & keep_i
+        return keep & ~suppress
+
+    keep = jax.lax.fori_loop(0, num_boxes, body, candidate)
+    (kept_pos,) = jnp.nonzero(keep, size=max_output_size, fill_value=0)
+    valid = jnp.arange(max_output_size) < jnp.sum(keep)
+    indices = jnp.where(valid, order[kept_pos], 0).astype(jnp.int32)
+    return indices, valid
+
+
+def _detect_one(cls_logits, box_deltas, anchors_yxyx, image_height,
+                image_width, *, pre_nms_top_k, score_threshold, iou_threshold,
+                max_detections, box_coder_weights):
+    num_anchors, num_classes = cls_logits.shape
+    scores = jax.nn.sigmoid(cls_logits.astype(jnp.float32)).reshape(-1)
+    top_k = min(pre_nms_top_k, num_anchors * num_classes)
+    top_scores, flat_idx = jax.lax.top_k(scores, top_k)
+    anchor_idx = flat_idx // num_classes
+    classes = (flat_idx % num_classes).astype(jnp.int32)
+    top_scores = jnp.where(top_scores > score_threshold, top_scores, -jnp.inf)
+
+    boxes = box_ops.decode_boxes(
+        box_deltas[anchor_idx].astype(jnp.float32), anchors_yxyx[anchor_idx],
+        box_coder_weights)
+    boxes = box_ops.clip_boxes(boxes, image_height, image_width)
+    # Masking the IoU matrix by class equality rather than offsetting boxes
+    # per class keeps IoUs exact (large offsets cost float32 precision).
+    keep, valid = non_max_suppression(boxes, top_scores, iou_threshold,
+                                      max_detections, classes=classes)
+    return {
+        "boxes": jnp.where(valid[:, None], boxes[keep], 0.0),
+        "scores": jnp.where(valid, top_scores[keep], 0.0),
+        "classes": jnp.where(valid, classes[keep], 0),
+        "valid": valid,
+    }
+
+
+def detect(cls_logits,
+           box_deltas,
+           anchors_yxyx,
+           image_height,
+           image_width,
+           *,
+           pre_nms_top_k: int = 1000,
+           score_threshold: float = 0.05,
+           iou_threshold: float = 0.5,
+           max_detections: int = 100,
+           box_coder_weights: Sequence[float] = (1.0, 1.0, 1.0, 1.0)):
+    """Turns dense head outputs into at most ``max_detections`` boxes per image.
+
+    Per image: sigmoid scores over all (anchor, class) pairs, the top
+    ``pre_nms_top_k`` of them (clamped to A*C), candidates not above
+    ``score_threshold`` dropped, boxes decoded and clipped to the image, and
+    class-aware greedy NMS (boxes of different classes never suppress each
+    other). Static shapes throughout; jit-able.
+
+    Args:
+        cls_logits: ``[B, A, C]`` class logits.
+        box_deltas: ``[B, A, 4]`` predicted deltas.
+        anchors_yxyx: float ``[A, 4]`` anchors in pixels.
+        image_height: image height in pixels, a Python number or an array ``[B]``
+            (e.g. each image's size before padding).
+        image_width: image width in pixels, same rules as ``image_height``.
+        pre_nms_top_k: candidates per image entering NMS.
+        score_threshold: a detection's sigmoid score must exceed this.
+        iou_threshold: NMS IoU threshold (within one class).
+        max_detections: D, output slots per image.
+        box_coder_weights: ``(wy, wx, wh, ww)`` of the box coding.
+
+    Returns:
+        dict with ``boxes`` float32 ``[B, D, 4]`` yxyx pixels clipped to the
+        image, ``scores`` float32 ``[B, D]`` (descending), ``classes`` int32
+        ``[B, D]`` in ``[0, C)``, ``valid`` bool ``[B, D]``. Invalid slots hold
+        zeros (class 0): always read them through ``valid``.
+    """
+    batch = cls_logits.shape[0]
+    anchors_yxyx = jnp.asarray(anchors_yxyx, jnp.float32)
+    height = jnp.broadcast_to(jnp.asarray(image_height, jnp.float32), (batch,))
+    width = jnp.broadcast_to(jnp.asarray(image_width, jnp.float32), (batch,))
+
+    def one(logits, deltas, h, w):
+        return _detect_one(logits, deltas, anchors_yxyx, h, w,
+                           pre_nms_top_k=pre_nms_top_k,
+                           score_threshold=score_threshold,
+                           iou_threshold=iou_threshold,
+                           max_detections=max_detections,
+                           box_coder_weights=box_coder_weights)
+
+    return jax.vmap(one)(cls_logits, box_deltas, height, width)

@@ -1,0 +1,162 @@
+"""Greedy NMS against TensorFlow's, and class-aware detection post-processing."""
+
+import functools
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from detector import postprocess
+
+
+def _random_boxes_and_scores(rng, n, extent, clustered=False):
+    if clustered:
+        # Jittered copies of a few boxes: the duplicate-detection case NMS exists for.
+        base, _ = _random_boxes_and_scores(rng, 6, extent)
+        boxes = base[rng.integers(0, 6, n)] + rng.normal(0, 2.0, (n, 4)).astype(np.float32)
+        return boxes.astype(np.float32), rng.uniform(0, 1, n).astype(np.float32)
+    y0 = rng.uniform(0, extent, n)
+    x0 = rng.uniform(0, extent, n)
+    h = rng.uniform(5, 30, n)
+    w = rng.uniform(5, 30, n)
+    boxes = np.stack([y0, x0, y0 + h, x0 + w], -1).astype(np.float32)
+    return boxes, rng.uniform(0, 1, n).astype(np.float32)
+
+
+# Only shapes are static, so parametrized cases share compilations.
+@functools.partial(jax.jit, static_argnames=("max_output_size",))
+def _nms(boxes, scores, iou_threshold, max_output_size):
+    return postprocess.non_max_suppression(boxes, scores, iou_threshold, max_output_size)
+
+
+@pytest.mark.parametrize("seed,clustered,extent,iou_threshold,max_output_size", [
+    (0, True, 100.0, 0.5, 60),    # clusters of near-duplicates
+    (1, True, 100.0, 0.8, 60),
+    (2, False, 30.0, 0.3, 10),    # dense; output size binds
+    (3, False, 100.0, 0.7, 60),
+    (4, False, 300.0, 0.5, 60),   # sparse: most boxes survive
+    (5, False, 30.0, 0.0, 60),    # any overlap suppresses
+])
+def test_nms_matches_tensorflow(seed, clustered, extent, iou_threshold, max_output_size):
+    import tensorflow as tf
+
+    rng = np.random.default_rng(seed)
+    boxes, scores = _random_boxes_and_scores(rng, 60, extent, clustered)
+    boxes[5] = boxes[4]  # an exact duplicate
+    want = tf.image.non_max_suppression(boxes, scores, max_output_size,
+                                        iou_threshold=iou_threshold).numpy().tolist()
+    indices, valid = _nms(boxes, scores, iou_threshold, max_output_size)
+    assert indices.shape == (max_output_size,) and valid.shape == (max_output_size,)
+    assert indices.dtype == jnp.int32
+    indices, valid = np.asarray(indices), np.asarray(valid)
+    assert indices[valid].tolist() == want
+    # Valid slots come first; the rest are padding with index 0.
+    assert valid.sum() == len(want) and valid[:len(want)].all()
+    np.testing.assert_array_equal(indices[~valid], 0)
+
+
+def test_nms_threshold_is_strict_like_tensorflow():
+    # IoU exactly 0.5 does not suppress at threshold 0.5 (TF: "greater than").
+    boxes = np.array([[0, 0, 10, 10], [0, 0, 10, 5]], np.float32)
+    indices, valid = _nms(boxes, np.array([0.9, 0.8], np.float32), 0.5, 3)
+    assert np.asarray(indices)[np.asarray(valid)].tolist() == [0, 1]
+    indices, valid = _nms(boxes, np.array([0.9, 0.8], np.float32), 0.49, 3)
+    assert np.asarray(indices)[np.asarray(valid)].tolist() == [0]
+
+
+def test_nms_never_selects_minus_inf():
+    rng = np.random.default_rng(5)
+    boxes, scores = _random_boxes_and_scores(rng, 20, 500.0)
+    scores[::2] = -np.inf
+    indices, valid = _nms(boxes, scores, 0.5, 20)
+    chosen = np.asarray(indices)[np.asarray(valid)]
+    assert len(chosen) > 0 and np.all(np.isfinite(scores[chosen]))
+    indices, valid = _nms(boxes, np.full(20, -np.inf, np.float32), 0.5, 20)
+    assert not np.any(valid)
+
+
+# Two heavily overlapping anchors (IoU 0.9) and one far away.
+ANCHORS = jnp.array([[0, 0, 10, 10], [0, 0, 10, 9], [50, 50, 60, 60]], jnp.float32)
+LOW = -10.0  # sigmoid(-10) ~ 4.5e-5, below any threshold used here
+
+
+def _logit(p):
+    return math.log(p / (1 - p))
+
+
+_detect = jax.jit(postprocess.detect, static_argnames=("pre_nms_top_k", "max_detections"))
+SIZE_64 = jnp.array([64.0, 64.0])
+
+
+def test_detect_is_class_aware():
+    logits = np.full((2, 3, 2), LOW, np.float32)
+    # Image 0: the overlapping anchors predict different classes: both survive.
+    logits[0, 0, 0] = _logit(0.9)
+    logits[0, 1, 1] = _logit(0.8)
+    # Image 1: they predict the same class: the lower score is suppressed.
+    logits[1, 0, 1] = _logit(0.9)
+    logits[1, 1, 1] = _logit(0.8)
+    logits[1, 2, 0] = _logit(0.7)
+    deltas = jnp.zeros((2, 3, 4))
+    out = _detect(jnp.asarray(logits), deltas, ANCHORS, SIZE_64, SIZE_64, score_threshold=0.05,
+                  max_detections=4)
+
+    assert out["boxes"].shape == (2, 4, 4) and out["scores"].shape == (2, 4)
+    assert out["classes"].shape == (2, 4) and out["valid"].shape == (2, 4)
+    assert out["classes"].dtype == jnp.int32 and out["valid"].dtype == jnp.bool_
+    np.testing.assert_array_equal(out["valid"], [[1, 1, 0, 0], [1, 1, 0, 0]])
+    np.testing.assert_array_equal(out["classes"][:, :2], [[0, 1], [1, 0]])
+    np.testing.assert_allclose(out["scores"][:, :2], [[0.9, 0.8], [0.9, 0.7]], rtol=1e-5)
+    np.testing.assert_allclose(out["boxes"][0, :2], ANCHORS[:2], atol=1e-4)
+    np.testing.assert_allclose(out["boxes"][1, :2], ANCHORS[jnp.array([0, 2])], atol=1e-4)
+    np.testing.assert_array_equal(out["boxes"][:, 2:], 0.0)
+    np.testing.assert_array_equal(out["scores"][:, 2:], 0.0)
+
+
+def test_detect_score_threshold_top_k_and_clipping():
+    logits = np.full((2, 3, 2), LOW, np.float32)
+    logits[:, 2, 0] = _logit(0.3)
+    logits[:, 2, 1] = _logit(0.6)
+    logits[:, 0, 0] = _logit(0.45)
+    # Large deltas push the boxes out of the image: they must come back clipped.
+    deltas = jnp.zeros((2, 3, 4)).at[:, :, 2:].set(3.0)
+    out = _detect(jnp.asarray(logits), deltas, ANCHORS, jnp.array([64.0, 40.0]),
+                  jnp.array([64.0, 58.0]), score_threshold=0.4, max_detections=4,
+                  pre_nms_top_k=1000)  # more than A*C = 6: clamped
+    np.testing.assert_array_equal(out["valid"], [[1, 1, 0, 0]] * 2)
+    np.testing.assert_allclose(out["scores"][:, :2], [[0.6, 0.45]] * 2, rtol=1e-5)
+    np.testing.assert_array_equal(out["classes"][:, :2], [[1, 0]] * 2)
+    boxes = np.asarray(out["boxes"])
+    assert boxes.min() >= 0.0
+    assert boxes[0, :, [0, 2]].max() <= 64.0 and boxes[1, :, [0, 2]].max() <= 40.0
+    assert boxes[1, :, [1, 3]].max() <= 58.0
+    # Anchor 2 grown e**3 times around (55, 55) covers the whole 40 x 58 image.
+    np.testing.assert_allclose(boxes[1, 0], [0.0, 0.0, 40.0, 58.0], atol=1e-4)
+
+    # pre_nms_top_k smaller than the candidates keeps only the best ones.
+    out = _detect(jnp.asarray(logits), deltas, ANCHORS, SIZE_64, SIZE_64, score_threshold=0.05,
+                  max_detections=4, pre_nms_top_k=2)
+    np.testing.assert_array_equal(out["valid"], [[1, 1, 0, 0]] * 2)
+    np.testing.assert_allclose(out["scores"][0, :2], [0.6, 0.45], rtol=1e-5)
+
+
+def test_detect_random_inputs_are_sorted_and_static():
+    rng = np.random.default_rng(6)
+    num_anchors, num_classes = 40, 4
+    anchors = jnp.asarray(_random_boxes_and_scores(rng, num_anchors, 60.0)[0])
+    logits = jnp.asarray(rng.normal(-1.0, 2.0, (3, num_anchors, num_classes)), jnp.float32)
+    deltas = jnp.asarray(rng.normal(0.0, 0.2, (3, num_anchors, 4)), jnp.float32)
+    out = _detect(logits, deltas, anchors, 80, 80, pre_nms_top_k=50, max_detections=20)
+    for key, shape in (("boxes", (3, 20, 4)), ("scores", (3, 20)), ("classes", (3, 20)),
+                       ("valid", (3, 20))):
+        assert out[key].shape == shape
+    scores = np.asarray(out["scores"])
+    valid = np.asarray(out["valid"])
+    assert valid.sum() > 0
+    for i in range(3):
+        s = scores[i][valid[i]]
+        assert np.all(np.diff(s) <= 0) and np.all(s > 0.05)
+    classes = np.asarray(out["classes"])
+    assert classes.min() >= 0 and classes.max() < num_classes
