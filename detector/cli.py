@@ -1,0 +1,56 @@
+"""Command-line plumbing shared by the entry points: one-line errors for bad input.
+
+A user who mistypes a config key or points at a missing dataset gets
+`error: <cause and fix>` and a non-zero exit, not a traceback; `--verbose`
+re-raises so the traceback is there when it is wanted.
+"""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Callable, Sequence
+
+from absl import app, flags
+
+from detector.errors import ConfigError
+from input_pipeline import DatasetError
+from sharding import MeshError
+
+flags.DEFINE_bool("verbose", False, "Show full tracebacks for errors.")
+
+# Errors that describe bad input, not bugs: reported as one line.
+USER_ERRORS = (ConfigError, DatasetError, MeshError, FileNotFoundError, NotADirectoryError, PermissionError)
+
+EXIT_USAGE = 2
+EXIT_ERROR = 1
+
+
+def _fail(message: str, code: int) -> None:
+    first_line = " ".join(str(message).split())
+    print(f"error: {first_line}", file=sys.stderr, flush=True)
+    sys.exit(code)
+
+
+def _parse_flags(argv: Sequence[str]) -> list[str]:
+    try:
+        return flags.FLAGS(argv)
+    except flags.Error as e:
+        _fail(f"{e} (see --helpfull for the flags)", EXIT_USAGE)
+    except (KeyError, AttributeError, ValueError, TypeError, FileNotFoundError, SyntaxError) as e:
+        # ml_collections' config flags raise these for an unknown key, a
+        # wrongly typed override or an unloadable config file.
+        _fail(f"bad config: {e}", EXIT_USAGE)
+
+
+def run(main: Callable[[list[str]], None]) -> None:
+    """`absl.app.run(main)` with one-line errors for bad flags and for USER_ERRORS."""
+
+    def guarded_main(argv: list[str]) -> None:
+        try:
+            main(argv)
+        except USER_ERRORS as e:
+            if flags.FLAGS.verbose:
+                raise
+            _fail(str(e), EXIT_ERROR)
+
+    app.run(guarded_main, flags_parser=_parse_flags)

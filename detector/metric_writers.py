@@ -1,0 +1,57 @@
+"""Training and evaluation metrics: JSON lines and TensorBoard scalars in the workdir.
+
+Only the primary process (process 0) writes; the others get a writer that
+does nothing, so callers need no `if process_index == 0` of their own.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Mapping
+
+from etils import epath
+
+TRAIN_METRICS_FILE = "train_metrics.jsonl"
+EVAL_METRICS_FILE = "eval_metrics.jsonl"
+
+
+def _json_value(value: float) -> float | None:
+    value = float(value)
+    return value if math.isfinite(value) else None
+
+
+class MetricWriter:
+    """Appends `{"step": N, ...}` lines and TensorBoard scalars (under `WORKDIR/tensorboard`)."""
+
+    def __init__(self, workdir: str, *, enabled: bool):
+        self._enabled = enabled
+        self._workdir = epath.Path(workdir)
+        self._summary_writer = None
+        if enabled:
+            self._workdir.mkdir(parents=True, exist_ok=True)
+            import tensorflow as tf  # Deferred: only the writing process pays for it.
+
+            self._tf = tf
+            self._summary_writer = tf.summary.create_file_writer(str(self._workdir / "tensorboard"))
+
+    def _write(self, filename: str, prefix: str, step: int, metrics: Mapping[str, float]) -> None:
+        if not self._enabled:
+            return
+        record = {"step": int(step), **{k: _json_value(v) for k, v in metrics.items()}}
+        with (self._workdir / filename).open("a") as f:
+            f.write(json.dumps(record) + "\n")
+        with self._summary_writer.as_default(step=int(step)):
+            for name, value in metrics.items():
+                self._tf.summary.scalar(f"{prefix}/{name}", float(value))
+        self._summary_writer.flush()
+
+    def write_train(self, step: int, metrics: Mapping[str, float]) -> None:
+        self._write(TRAIN_METRICS_FILE, "train", step, metrics)
+
+    def write_eval(self, step: int, metrics: Mapping[str, float]) -> None:
+        self._write(EVAL_METRICS_FILE, "eval", step, metrics)
+
+    def close(self) -> None:
+        if self._summary_writer is not None:
+            self._summary_writer.close()

@@ -1,0 +1,97 @@
+"""The jitted train and predict steps as pure functions of (state, batch).
+
+Both are plain functions closed over config-time constants (model, optimizer,
+anchors); the trainer compiles them ahead of time with explicit shardings.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+
+from detector import anchors as anchors_lib
+from detector import losses, postprocess
+from detector.train_state import TrainState
+
+
+def anchors_for_config(config) -> np.ndarray:
+    """`[A, 4]` yxyx anchors in network-input pixels for `config.input.image_size`."""
+    a = config.model.anchors
+    height, width = config.input.image_size
+    return anchors_lib.generate_anchors(height, width, a.min_level, a.max_level, a.num_scales,
+                                        tuple(a.aspect_ratios), a.anchor_size)
+
+
+def num_anchors_per_location(config) -> int:
+    a = config.model.anchors
+    return anchors_lib.num_anchors_per_location(a.num_scales, tuple(a.aspect_ratios))
+
+
+def loss_fn(params, batch: dict[str, jax.Array], *, model: nn.Module, anchors: np.ndarray,
+            loss_config, num_classes: int) -> tuple[jax.Array, dict[str, jax.Array]]:
+    """Mean detection loss of a global batch; returns (loss, terms)."""
+    cls_logits, box_deltas = model.apply({"params": params}, batch["image"])
+    return losses.retinanet_loss(
+        cls_logits, box_deltas, jnp.asarray(anchors), batch["boxes"], batch["labels"], batch["boxes_mask"],
+        num_classes=num_classes,
+        positive_iou=loss_config.positive_iou,
+        negative_iou=loss_config.negative_iou,
+        allow_low_quality_matches=loss_config.allow_low_quality_matches,
+        focal_alpha=loss_config.focal_alpha,
+        focal_gamma=loss_config.focal_gamma,
+        box_loss=loss_config.box_loss,
+        huber_delta=loss_config.huber_delta,
+        box_loss_weight=loss_config.box_loss_weight,
+        box_coder_weights=tuple(loss_config.box_coder_weights),
+        example_mask=batch["example_mask"],
+    )
+
+
+def train_step(state: TrainState, batch: dict[str, jax.Array], *, model: nn.Module,
+               tx: optax.GradientTransformation, schedule: optax.Schedule, anchors: np.ndarray,
+               loss_config, num_classes: int) -> tuple[TrainState, dict[str, jax.Array]]:
+    """One optimizer step on a global batch. Returns (new_state, scalar metrics)."""
+    grad_fn = jax.value_and_grad(
+        functools.partial(loss_fn, model=model, anchors=anchors, loss_config=loss_config,
+                          num_classes=num_classes),
+        has_aux=True)
+    (loss, terms), grads = grad_fn(state.params, batch)
+    updates, opt_state = tx.update(grads, state.opt_state, state.params)
+    params = optax.apply_updates(state.params, updates)
+    metrics = {
+        "loss": loss,
+        "cls_loss": terms["cls_loss"],
+        "box_loss": terms["box_loss"],
+        "num_positives": terms["num_positives"].astype(jnp.float32),
+        "grad_norm": optax.global_norm(grads),
+        "learning_rate": schedule(state.step),
+    }
+    return state.replace(step=state.step + 1, params=params, opt_state=opt_state), metrics
+
+
+def predict_step(params, batch: dict[str, jax.Array], *, model: nn.Module, anchors: np.ndarray,
+                 postprocess_config, image_size: tuple[int, int],
+                 box_coder_weights: tuple[float, ...]) -> dict[str, Any]:
+    """Detections in network-input pixels plus the batch fields needed to map them back.
+
+    Returns dict: boxes `[B, D, 4]` yxyx, scores `[B, D]`, classes int32 `[B, D]`,
+    valid bool `[B, D]`, and image_id / scale / original_size / example_mask passed
+    through.
+    """
+    cls_logits, box_deltas = model.apply({"params": params}, batch["image"])
+    detections = postprocess.detect(
+        cls_logits, box_deltas, jnp.asarray(anchors), image_size[0], image_size[1],
+        pre_nms_top_k=postprocess_config.pre_nms_top_k,
+        score_threshold=postprocess_config.score_threshold,
+        iou_threshold=postprocess_config.iou_threshold,
+        max_detections=postprocess_config.max_detections,
+        box_coder_weights=box_coder_weights,
+    )
+    return {**detections, "image_id": batch["image_id"], "scale": batch["scale"],
+            "original_size": batch["original_size"], "example_mask": batch["example_mask"]}

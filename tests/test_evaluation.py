@@ -1,0 +1,71 @@
+import numpy as np
+import pytest
+
+from detector import evaluation
+
+GROUND_TRUTH = {
+    "images": [{"id": 7, "height": 100, "width": 200}, {"id": 9, "height": 50, "width": 50}],
+    "annotations": [
+        {"id": 1, "image_id": 7, "category_id": 3, "bbox": [10.0, 20.0, 60.0, 40.0], "area": 2400.0, "iscrowd": 0},
+        {"id": 2, "image_id": 7, "category_id": 11, "bbox": [100.0, 5.0, 80.0, 90.0], "area": 7200.0, "iscrowd": 0},
+        {"id": 3, "image_id": 9, "category_id": 3, "bbox": [0.0, 0.0, 25.0, 30.0], "area": 750.0, "iscrowd": 0},
+    ],
+    "categories": [{"id": 3, "name": "a"}, {"id": 11, "name": "b"}],
+}
+LABEL_TO_CATEGORY = (3, 11)
+
+
+def _outputs_for(gt, scale, pad_example=True):
+    """predict_step-like outputs that reproduce `gt` exactly, in network pixels."""
+    by_image = {img["id"]: [a for a in gt["annotations"] if a["image_id"] == img["id"]] for img in gt["images"]}
+    num = len(gt["images"]) + int(pad_example)
+    d = 4
+    out = {
+        "boxes": np.zeros((num, d, 4), np.float32), "scores": np.zeros((num, d), np.float32),
+        "classes": np.zeros((num, d), np.int32), "valid": np.zeros((num, d), bool),
+        "image_id": np.full((num,), -1, np.int32), "scale": np.ones((num,), np.float32),
+        "original_size": np.zeros((num, 2), np.int32), "example_mask": np.zeros((num,), bool),
+    }
+    for i, img in enumerate(gt["images"]):
+        out["image_id"][i], out["scale"][i], out["example_mask"][i] = img["id"], scale, True
+        out["original_size"][i] = (img["height"], img["width"])
+        for j, ann in enumerate(by_image[img["id"]]):
+            x, y, w, h = ann["bbox"]
+            out["boxes"][i, j] = np.array([y, x, y + h, x + w]) * scale
+            out["scores"][i, j] = 0.9
+            out["classes"][i, j] = LABEL_TO_CATEGORY.index(ann["category_id"])
+            out["valid"][i, j] = True
+    if pad_example:  # a masked padding example with a confident detection must be ignored
+        out["valid"][-1, 0] = True
+        out["scores"][-1, 0] = 1.0
+        out["boxes"][-1, 0] = [0, 0, 10, 10]
+    return out
+
+
+def test_detections_map_back_to_original_pixels_and_category_ids():
+    results = evaluation.detections_to_coco(_outputs_for(GROUND_TRUTH, scale=0.64), LABEL_TO_CATEGORY)
+    assert len(results) == 3
+    first = [r for r in results if r["image_id"] == 7 and r["category_id"] == 3][0]
+    np.testing.assert_allclose(first["bbox"], [10.0, 20.0, 60.0, 40.0], atol=1e-3)
+    assert {r["category_id"] for r in results} == {3, 11}
+
+
+def test_perfect_predictions_score_one():
+    results = evaluation.detections_to_coco(_outputs_for(GROUND_TRUTH, scale=1.7), LABEL_TO_CATEGORY)
+    metrics = evaluation.coco_metrics(GROUND_TRUTH, results)
+    assert metrics["AP"] == pytest.approx(1.0)
+    assert metrics["AP50"] == pytest.approx(1.0)
+
+
+def test_wrong_category_scores_zero_and_no_detections_is_zero():
+    results = evaluation.detections_to_coco(_outputs_for(GROUND_TRUTH, scale=1.0), (11, 3))
+    assert evaluation.coco_metrics(GROUND_TRUTH, results)["AP"] == pytest.approx(0.0)
+    assert evaluation.coco_metrics(GROUND_TRUTH, [])["AP"] == 0.0
+
+
+def test_boxes_are_clipped_to_the_original_image():
+    out = _outputs_for(GROUND_TRUTH, scale=1.0, pad_example=False)
+    out["boxes"][1, 0] = [-5.0, -5.0, 80.0, 80.0]  # image 9 is 50x50
+    results = evaluation.detections_to_coco(out, LABEL_TO_CATEGORY)
+    box = [r for r in results if r["image_id"] == 9][0]["bbox"]
+    np.testing.assert_allclose(box, [0.0, 0.0, 50.0, 50.0])
