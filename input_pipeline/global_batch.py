@@ -1,0 +1,41 @@
+"""Host-local numpy batch -> globally sharded jax.Array batch."""
+
+from __future__ import annotations
+
+from typing import Any, Sequence
+
+import jax
+import numpy as np
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+
+def batch_sharding(mesh: Mesh, batch_axes: Sequence[str]) -> NamedSharding:
+  """Batch sharding: dim 0 split over `batch_axes`, other dims replicated."""
+  return NamedSharding(mesh, PartitionSpec(tuple(batch_axes)))
+
+
+def to_global_batch(local_batch: dict[str, Any], mesh: Mesh,
+                    batch_axes: Sequence[str] = ("data", "fsdp")
+                    ) -> dict[str, jax.Array]:
+  """Assembles every process's local batch into one global batch.
+
+  Args:
+    local_batch: pytree (usually a flat dict) of numpy arrays [b, ...], where
+      b = global batch // process count.
+    mesh: the device mesh.
+    batch_axes: mesh axes the batch dimension is split over, e.g.
+      ('data', 'fsdp').
+
+  Returns:
+    Same pytree of jax.Arrays [b * process_count, ...] sharded as
+    PartitionSpec(batch_axes) on dim 0.
+  """
+  sharding = batch_sharding(mesh, batch_axes)
+
+  def put(x):
+    x = np.asarray(x)
+    if x.ndim == 0:
+      raise ValueError("batch arrays need a leading batch dimension")
+    return jax.make_array_from_process_local_data(sharding, x)
+
+  return jax.tree.map(put, local_batch)

@@ -1,0 +1,268 @@
+"""Train/eval iterators, COCO ground truth and configuration errors."""
+
+import collections
+import re
+
+import ml_collections
+import numpy as np
+import pytest
+import tensorflow as tf
+import tensorflow_datasets as tfds
+
+import input_pipeline
+from input_pipeline import datasets
+from input_pipeline import pipeline
+from input_pipeline.datasets import synthetic_shapes as ss
+
+SIZE = 64  # generated image side
+NET = (48, 56)  # network input (H, W), deliberately not the image size
+N_TRAIN, N_EVAL = 64, 20
+MAX_BOXES = 8
+
+
+def make_config(data_dir, **overrides):
+  config = ml_collections.ConfigDict({
+      "seed": 0,
+      "global_batch_size": 8,
+      "dataset": {
+          "name": "synthetic_shapes",
+          "data_dir": str(data_dir),
+          "train_split": "train",
+          "eval_split": "validation",
+          "num_train_examples": N_TRAIN,
+          "num_eval_examples": N_EVAL,
+          "image_size": SIZE,
+      },
+      "input": {
+          "image_size": NET,
+          "max_boxes": MAX_BOXES,
+          "scale_jitter": (0.8, 1.25),
+          "horizontal_flip": True,
+          "mean_rgb": (123.675, 116.28, 103.53),
+          "std_rgb": (58.395, 57.12, 57.375),
+          "shuffle_buffer": 32,
+          "prefetch": 2,
+          "min_box_size": 2.0,
+      },
+  })
+  for key, value in overrides.items():
+    node = config
+    *path, leaf = key.split(".")
+    for p in path:
+      node = node[p]
+    node[leaf] = value
+  return config
+
+
+@pytest.fixture(scope="session")
+def data_dir(tmp_path_factory):
+  path = tmp_path_factory.mktemp("data")
+  datasets.get_builder(make_config(path))  # Generate once per session.
+  return path
+
+
+def _take(iterator, n):
+  return [next(iterator) for _ in range(n)]
+
+
+def test_train_batch_shapes_and_dtypes(data_dir):
+  batch = next(input_pipeline.create_train_iterator(make_config(data_dir)))
+  expected = {
+      "image": ((8, *NET, 3), np.float32),
+      "boxes": ((8, MAX_BOXES, 4), np.float32),
+      "labels": ((8, MAX_BOXES), np.int32),
+      "boxes_mask": ((8, MAX_BOXES), np.bool_),
+      "image_id": ((8,), np.int32),
+      "scale": ((8,), np.float32),
+      "original_size": ((8, 2), np.int32),
+      "example_mask": ((8,), np.bool_),
+  }
+  assert set(batch) == set(expected)
+  for key, (shape, dtype) in expected.items():
+    assert batch[key].shape == shape, key
+    assert batch[key].dtype == dtype, key
+  assert batch["example_mask"].all()
+  assert batch["boxes_mask"].any(1).all()  # Every image keeps an object.
+  labels, mask = batch["labels"], batch["boxes_mask"]
+  assert ((labels >= 0) == mask).all() and labels.max() < 4
+  boxes = batch["boxes"][mask]
+  assert (boxes[:, 2:] - boxes[:, :2] >= 2.0).all()  # min_box_size
+  assert boxes[:, [0, 2]].max() <= NET[0] and boxes[:, [1, 3]].max() <= NET[1]
+  assert set(batch["image_id"].tolist()) <= set(range(1, N_TRAIN + 1))
+  np.testing.assert_array_equal(batch["original_size"], SIZE)
+  # Each example draws its own jitter factor: fit (0.75) x [0.8, 1.25].
+  assert len(set(batch["scale"].tolist())) == 8
+  assert (batch["scale"] >= 0.75 * 0.8 - 1e-6).all()
+  assert (batch["scale"] <= 0.75 * 1.25 + 1e-6).all()
+  # Normalized: roughly zero-mean, unit-scale pixels.
+  assert abs(batch["image"].mean()) < 1.0 and 0.2 < batch["image"].std() < 2.0
+
+
+def test_train_is_deterministic_per_seed(data_dir):
+  config = make_config(data_dir)
+  a = _take(input_pipeline.create_train_iterator(config), 3)
+  b = _take(input_pipeline.create_train_iterator(config), 3)
+  for x, y in zip(a, b):
+    for key in x:
+      np.testing.assert_array_equal(x[key], y[key], err_msg=key)
+  c = _take(input_pipeline.create_train_iterator(
+      make_config(data_dir, seed=1)), 3)
+  assert not all(np.array_equal(x["image_id"], y["image_id"])
+                 for x, y in zip(a, c))
+  assert not np.array_equal(a[0]["image"], c[0]["image"])
+  # Epochs: the stream repeats forever and visits every example each epoch.
+  it = input_pipeline.create_train_iterator(config)
+  ids = np.concatenate([b["image_id"] for b in _take(it, 2 * N_TRAIN // 8)])
+  counts = collections.Counter(ids.tolist())
+  assert set(counts) == set(range(1, N_TRAIN + 1))
+  assert set(counts.values()) == {2}
+
+
+def test_train_resumes_at_step(data_dir):
+  config = make_config(data_dir)
+  full = _take(input_pipeline.create_train_iterator(config), 10)
+  resumed = next(input_pipeline.create_train_iterator(config, start_step=9))
+  for key in resumed:
+    np.testing.assert_array_equal(resumed[key], full[9][key], err_msg=key)
+
+
+def test_eval_visits_every_image_once(data_dir):
+  config = make_config(data_dir)  # 20 examples, batch 8 -> 3 batches
+  batches, num_batches = input_pipeline.create_eval_iterator(config)
+  batches = list(batches)
+  assert num_batches == 3 and len(batches) == 3
+  ids = np.concatenate([b["image_id"] for b in batches])
+  mask = np.concatenate([b["example_mask"] for b in batches])
+  assert sorted(ids[mask].tolist()) == list(range(1, N_EVAL + 1))
+  assert mask.sum() == N_EVAL
+  assert (ids[~mask] == -1).all()
+  for b in batches:
+    pad = ~b["example_mask"]
+    assert (b["labels"][pad] == -1).all() and not b["boxes_mask"][pad].any()
+    assert (b["scale"] > 0).all()
+    assert b["image"].shape == (8, *NET, 3)
+
+
+@pytest.mark.parametrize("process_count,global_batch", [(2, 6), (3, 6), (4, 4)])
+def test_eval_shards_cover_split_once(data_dir, process_count, global_batch):
+  config = make_config(data_dir, global_batch_size=global_batch)
+  seen, steps = [], set()
+  for index in range(process_count):
+    ds, num_batches = pipeline.eval_dataset(
+        config, process_index=index, process_count=process_count)
+    batches = list(tfds.as_numpy(ds))
+    steps.add((num_batches, len(batches)))
+    for b in batches:
+      assert b["image_id"].shape == (global_batch // process_count,)
+      seen.extend(b["image_id"][b["example_mask"]].tolist())
+  expected_steps = -(-N_EVAL // global_batch)
+  assert steps == {(expected_steps, expected_steps)}  # Same on every process.
+  assert sorted(seen) == list(range(1, N_EVAL + 1))
+
+
+def test_coco_ground_truth_matches_dataset(data_dir):
+  config = make_config(data_dir)
+  gt = input_pipeline.coco_ground_truth(config)
+  assert gt["categories"] == [{"id": i + 1, "name": n}
+                              for i, n in enumerate(ss.CLASS_NAMES)]
+  assert sorted(im["id"] for im in gt["images"]) == list(range(1, N_EVAL + 1))
+  assert all(im["height"] == SIZE and im["width"] == SIZE
+             for im in gt["images"])
+  ann_ids = [a["id"] for a in gt["annotations"]]
+  assert sorted(ann_ids) == list(range(1, len(ann_ids) + 1))
+  by_image = collections.defaultdict(list)
+  for a in gt["annotations"]:
+    by_image[a["image_id"]].append(a)
+  for image_id in range(1, N_EVAL + 1):
+    ex = ss.generate_example("validation", image_id - 1, SIZE)
+    anns = by_image[image_id]
+    assert [a["category_id"] for a in anns] == (ex.labels + 1).tolist()
+    for a, (y0, x0, y1, x1) in zip(anns, ex.boxes):
+      np.testing.assert_allclose(a["bbox"], [x0, y0, x1 - x0, y1 - y0])
+      assert a["area"] == pytest.approx((x1 - x0) * (y1 - y0))
+      assert a["iscrowd"] == 0
+
+
+def test_eval_boxes_map_back_to_ground_truth(data_dir):
+  config = make_config(data_dir)
+  gt = input_pipeline.coco_ground_truth(config)
+  by_image = collections.defaultdict(list)
+  for a in gt["annotations"]:
+    by_image[a["image_id"]].append(a["bbox"])
+  batches, _ = input_pipeline.create_eval_iterator(config)
+  checked = 0
+  for b in batches:
+    for i in np.flatnonzero(b["example_mask"]):
+      boxes = b["boxes"][i][b["boxes_mask"][i]] / b["scale"][i]
+      xywh = np.stack([boxes[:, 1], boxes[:, 0], boxes[:, 3] - boxes[:, 1],
+                       boxes[:, 2] - boxes[:, 0]], -1)
+      np.testing.assert_allclose(xywh, by_image[int(b["image_id"][i])],
+                                 atol=1e-3)
+      # Fits the network input: 64 px -> min(48/64, 56/64).
+      assert b["scale"][i] == pytest.approx(0.75)
+      checked += 1
+  assert checked == N_EVAL
+
+
+def test_dataset_info(data_dir):
+  info = input_pipeline.get_dataset_info(make_config(data_dir))
+  assert info.name == "synthetic_shapes" and info.num_classes == 4
+  assert info.class_names == ss.CLASS_NAMES
+  assert info.label_to_category_id == (1, 2, 3, 4)
+  assert info.num_eval_examples == N_EVAL
+
+
+def test_unknown_dataset_is_an_error(data_dir):
+  config = make_config(data_dir, **{"dataset.name": "imagenette"})
+  with pytest.raises(input_pipeline.DatasetError,
+                     match="synthetic_shapes.*coco/2017"):
+    input_pipeline.get_dataset_info(config)
+  with pytest.raises(input_pipeline.DatasetError, match="imagenette"):
+    input_pipeline.create_train_iterator(config)
+
+
+def test_indivisible_global_batch_is_an_error(data_dir):
+  config = make_config(data_dir, global_batch_size=6)
+  with pytest.raises(input_pipeline.DatasetError, match="global_batch_size 6"):
+    pipeline.train_dataset(config, process_index=0, process_count=4)
+  with pytest.raises(input_pipeline.DatasetError):
+    pipeline.eval_dataset(config, process_index=1, process_count=4)
+  assert pipeline.local_batch_size(config, 3) == 2
+
+
+def test_missing_coco_is_an_error(tmp_path):
+  config = make_config(tmp_path, **{"dataset.name": "coco/2017"})
+  with pytest.raises(input_pipeline.DatasetError) as err:
+    input_pipeline.get_dataset_info(config)
+  message = str(err.value)
+  assert "\n" not in message
+  assert f"coco/2017 is not prepared in {tmp_path}" in message
+  assert f"tfds build coco/2017 --data_dir={tmp_path}" in message
+  assert "--config.dataset.data_dir" in message
+  assert list(tmp_path.iterdir()) == []  # Nothing was downloaded or created.
+
+
+def test_missing_data_dir_parent_is_an_error(tmp_path):
+  missing = tmp_path / "no" / "such" / "dir"
+  config = make_config(missing)
+  parent = re.escape(str(tmp_path / "no" / "such"))
+  with pytest.raises(input_pipeline.DatasetError,
+                     match=f"{parent} does not exist"):
+    input_pipeline.create_train_iterator(config)
+
+
+def test_coco_decoder_drops_crowd_boxes(tmp_path):
+  decode = datasets.get_decoder(
+      make_config(tmp_path, **{"dataset.name": "coco/2017"}))
+  example = {
+      "image": tf.io.encode_jpeg(tf.zeros([10, 20, 3], tf.uint8)),
+      "image/id": tf.constant(9, tf.int64),
+      "objects": {
+          "bbox": tf.constant([[0.0, 0.0, 0.5, 0.5], [0.5, 0.5, 1.0, 1.0]]),
+          "label": tf.constant([2, 5], tf.int64),
+          "is_crowd": tf.constant([True, False]),
+      },
+  }
+  out = decode(example)
+  np.testing.assert_allclose(out["boxes"], [[5, 10, 10, 20]])
+  np.testing.assert_array_equal(out["labels"], [5])
