@@ -25,9 +25,8 @@ def checkpoint_dir(workdir: str) -> epath.Path:
     return epath.Path(workdir) / "checkpoints"
 
 
-def create_manager(workdir: str, *, save_interval_steps: int, max_to_keep: int) -> ocp.CheckpointManager:
+def create_manager(workdir: str, *, max_to_keep: int) -> ocp.CheckpointManager:
     options = ocp.CheckpointManagerOptions(
-        save_interval_steps=max(1, int(save_interval_steps)),
         max_to_keep=max(1, int(max_to_keep)),
         enable_async_checkpointing=True,
         create=True,
@@ -36,8 +35,7 @@ def create_manager(workdir: str, *, save_interval_steps: int, max_to_keep: int) 
                                  item_names=(STATE_ITEM, METADATA_ITEM))
 
 
-def save(manager: ocp.CheckpointManager, step: int, state: TrainState, metadata: dict[str, Any],
-         *, force: bool = False) -> bool:
+def save(manager: ocp.CheckpointManager, step: int, state: TrainState, metadata: dict[str, Any]) -> bool:
     """Starts an async save of `state` at `step`; returns whether a save was started.
 
     `metadata` is small JSON (e.g. where the input pipeline stands) kept beside the state.
@@ -46,7 +44,8 @@ def save(manager: ocp.CheckpointManager, step: int, state: TrainState, metadata:
         step,
         args=ocp.args.Composite(**{STATE_ITEM: ocp.args.StandardSave(state),
                                    METADATA_ITEM: ocp.args.JsonSave(metadata)}),
-        force=force,
+        # The trainer decides when to save (its interval and the last step).
+        force=True,
     )
     if saved:
         logging.info("checkpoint: saving step %d to %s", step, manager.directory)

@@ -65,10 +65,9 @@ def abstract_batch(config: ml_collections.ConfigDict, global_batch_size: int,
     return {k: jax.ShapeDtypeStruct(shape, dtype, sharding=batch_sharding) for k, (shape, dtype) in spec.items()}
 
 
-def _with_batch_size(config: ml_collections.ConfigDict, global_batch_size: int, seed: int) -> ml_collections.ConfigDict:
+def _with_batch_size(config: ml_collections.ConfigDict, global_batch_size: int) -> ml_collections.ConfigDict:
     derived = ml_collections.ConfigDict(config.to_dict())
     derived.global_batch_size = global_batch_size
-    derived.seed = seed
     return derived
 
 
@@ -141,8 +140,7 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict[
     # ------------------------------------------------------------------------
     # State: resume from the newest checkpoint, or initialise sharded.
     # ------------------------------------------------------------------------
-    manager = checkpointing.create_manager(workdir, save_interval_steps=config.checkpoint_every_steps,
-                                           max_to_keep=config.keep_checkpoints)
+    manager = checkpointing.create_manager(workdir, max_to_keep=config.keep_checkpoints)
     restored = checkpointing.restore_latest(manager, abstract_state)
     if restored is None:
         state = init_train_state(model, tx, image_size, state_shardings_tree, jax.random.key(config.seed))
@@ -155,17 +153,16 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict[
     # ------------------------------------------------------------------------
     # Input pipelines.
     # ------------------------------------------------------------------------
-    # A resumed run draws a fresh stream (the seed folds in the step) so it
-    # does not repeat the batches the first run already trained on.
-    data_seed = config.seed if start_step == 0 else (config.seed * 1_000_003 + start_step) % (2**31 - 1)
-    train_iter = input_pipeline.create_train_iterator(_with_batch_size(config, config.global_batch_size, data_seed))
-    eval_config = _with_batch_size(config, config.eval_batch_size, config.seed)
+    # A resumed run skips the batches already trained on (without decoding
+    # them), so it sees exactly the stream an uninterrupted run would.
+    train_iter = input_pipeline.create_train_iterator(config, start_step=start_step)
+    eval_config = _with_batch_size(config, config.eval_batch_size)
     ground_truth = input_pipeline.coco_ground_truth(config) if is_primary else None
     writer = MetricWriter(workdir, enabled=is_primary)
 
     def run_eval(step: int) -> dict[str, float] | None:
-        eval_iter = input_pipeline.create_eval_iterator(eval_config)
-        global_batches = (input_pipeline.to_global_batch(b, mesh, batch_axes) for b in eval_iter)
+        eval_batches = input_pipeline.create_eval_iterator(eval_config).batches
+        global_batches = (input_pipeline.to_global_batch(b, mesh, batch_axes) for b in eval_batches)
         metrics = evaluation.evaluate(compiled_predict, state.params, global_batches,
                                       ground_truth=ground_truth,
                                       label_to_category_id=dataset_info.label_to_category_id)
@@ -175,64 +172,74 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict[
             writer.write_eval(step, summary)
         return metrics
 
-    # ------------------------------------------------------------------------
-    # Training loop.
-    # ------------------------------------------------------------------------
-    total_steps = config.total_steps
-    last_metrics = None
-    pending: list[dict[str, jax.Array]] = []
-    window_start, window_wait, window_steps = time.perf_counter(), 0.0, 0
-    for step in range(start_step + 1, total_steps + 1):
-        wait_start = time.perf_counter()
-        batch = input_pipeline.to_global_batch(next(train_iter), mesh, batch_axes)
-        window_wait += time.perf_counter() - wait_start
-        state, metrics = compiled_train(state, batch)
-        pending.append(metrics)
-        window_steps += 1
+    try:
+        # --------------------------------------------------------------------
+        # Training loop.
+        # --------------------------------------------------------------------
+        total_steps = config.total_steps
+        last_metrics = None
+        pending: list[dict[str, jax.Array]] = []
+        window_start, window_wait, window_steps = time.perf_counter(), 0.0, 0
+        for step in range(start_step + 1, total_steps + 1):
+            wait_start = time.perf_counter()
+            batch = input_pipeline.to_global_batch(next(train_iter), mesh, batch_axes)
+            window_wait += time.perf_counter() - wait_start
+            state, metrics = compiled_train(state, batch)
+            pending.append(metrics)
+            window_steps += 1
 
-        if step % config.log_every_steps == 0 or step == total_steps:
-            # The only host sync of the loop: fetch the window's metrics at once.
-            fetched = jax.device_get(pending)
-            elapsed = time.perf_counter() - window_start
-            summary = {k: float(np.mean([m[k] for m in fetched])) for k in fetched[0]}
-            summary["learning_rate"] = float(fetched[-1]["learning_rate"])
-            summary["images_per_second"] = window_steps * config.global_batch_size / elapsed
-            summary["step_time_s"] = elapsed / window_steps
-            summary["input_wait_fraction"] = window_wait / elapsed
-            eta = (total_steps - step) * summary["step_time_s"]
-            logging.info(
-                "step %d/%d | loss %.4f (cls %.4f box %.4f) | lr %.2e | grad norm %.3f | %.1f img/s | "
-                "input wait %.0f%% | ETA %s", step, total_steps, summary["loss"], summary["cls_loss"],
-                summary["box_loss"], summary["learning_rate"], summary["grad_norm"],
-                summary["images_per_second"], 100 * summary["input_wait_fraction"], _format_duration(eta))
-            if not math.isfinite(summary["loss"]):
-                logging.warning("non-finite loss at step %d", step)
-            writer.write_train(step, summary)
-            pending.clear()
-            window_start, window_wait, window_steps = time.perf_counter(), 0.0, 0
+            if step % config.log_every_steps == 0 or step == total_steps:
+                # The only host sync of the loop: fetch the window's metrics at once.
+                fetched = jax.device_get(pending)
+                elapsed = time.perf_counter() - window_start
+                summary = {k: float(np.mean([m[k] for m in fetched])) for k in fetched[0]}
+                summary["learning_rate"] = float(fetched[-1]["learning_rate"])
+                summary["images_per_second"] = window_steps * config.global_batch_size / elapsed
+                summary["step_time_s"] = elapsed / window_steps
+                summary["input_wait_fraction"] = window_wait / elapsed
+                eta = (total_steps - step) * summary["step_time_s"]
+                logging.info(
+                    "step %d/%d | loss %.4f (cls %.4f box %.4f) | lr %.2e | grad norm %.3f | %.1f img/s | "
+                    "input wait %.0f%% | ETA %s", step, total_steps, summary["loss"], summary["cls_loss"],
+                    summary["box_loss"], summary["learning_rate"], summary["grad_norm"],
+                    summary["images_per_second"], 100 * summary["input_wait_fraction"], _format_duration(eta))
+                if not math.isfinite(summary["loss"]):
+                    logging.warning("non-finite loss at step %d", step)
+                writer.write_train(step, summary)
+                pending.clear()
+                window_start, window_wait, window_steps = time.perf_counter(), 0.0, 0
 
-        checkpointing.save(manager, step, state, {"step": step, "data_seed": data_seed},
-                           force=step == total_steps)
-        if step % config.eval_every_steps == 0 or step == total_steps:
-            last_metrics = run_eval(step)
-            window_start = time.perf_counter()  # eval time is not training throughput
+            if step % config.checkpoint_every_steps == 0 or step == total_steps:
+                checkpointing.save(manager, step, state, {"step": step, "batches_consumed": step})
+            if step % config.eval_every_steps == 0 or step == total_steps:
+                last_metrics = run_eval(step)
+                window_start = time.perf_counter()  # eval time is not training throughput
 
-    if start_step >= total_steps:
-        logging.info("workdir already holds a checkpoint at step %d >= total_steps; evaluating it", start_step)
-        last_metrics = run_eval(start_step)
-    manager.wait_until_finished()
-    manager.close()
-    writer.close()
+        if start_step >= total_steps:
+            logging.info("workdir already holds a checkpoint at step %d >= total_steps; evaluating it", start_step)
+            last_metrics = run_eval(start_step)
+    finally:
+        # Let an in-flight async save finish so the newest checkpoint is complete.
+        manager.wait_until_finished()
+        manager.close()
+        writer.close()
     if is_primary and last_metrics is not None:
         logging.info("final COCO metrics: %s", json.dumps({k: round(v, 4) for k, v in last_metrics.items()}))
     return last_metrics
 
 
+class _QuietLibraries(pylogging.Filter):
+    """Keeps the libraries' INFO chatter (one line per checkpoint file) out of the training log."""
+
+    def filter(self, record: pylogging.LogRecord) -> bool:
+        return record.levelno >= pylogging.WARNING or "/orbax/" not in record.pathname
+
+
 def main(argv: list[str]) -> None:
     if len(argv) > 1:
         raise ConfigError(f"unexpected arguments: {' '.join(argv[1:])}; pass options as --flag=value")
-    pylogging.getLogger("absl").setLevel(pylogging.INFO)
     logging.set_verbosity(logging.INFO)
+    logging.get_absl_handler().addFilter(_QuietLibraries())
     train_and_evaluate(_CONFIG.value, _WORKDIR.value)
 
 
