@@ -2,8 +2,9 @@
 
 import os
 
+# XNNPACK kernels make XLA:CPU convolutions ~1.6x faster (the CLIs turn it on too).
 os.environ["XLA_FLAGS"] = (
-    os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
+    os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8 --xla_cpu_use_xnnpack=true"
 ).strip()
 os.environ["JAX_PLATFORMS"] = "cpu"
 # TensorFlow is only the input pipeline here; keep it quiet and off any GPU.
