@@ -10,7 +10,7 @@ import jax
 import jax.numpy as jnp
 
 from detector.errors import ConfigError
-from detector.layers import Conv, Norm, constrain_activation
+from detector.layers import constrain_activation, conv, group_norm
 
 
 class BasicBlock(nn.Module):
@@ -24,15 +24,15 @@ class BasicBlock(nn.Module):
     @nn.compact
     def __call__(self, x: jax.Array) -> jax.Array:
         residual = x
-        y = Conv(self.features, 3, self.strides, use_bias=False, dtype=self.dtype)(x)
-        y = nn.relu(Norm(dtype=self.dtype)(y))
-        y = Conv(self.features, 3, use_bias=False, dtype=self.dtype)(y)
+        y = conv(self.features, 3, self.strides, use_bias=False, dtype=self.dtype)(x)
+        y = nn.relu(group_norm(self.features, dtype=self.dtype)(y))
+        y = conv(self.features, 3, use_bias=False, dtype=self.dtype)(y)
         # Zero-init of the last norm makes every block start as identity, which
         # trains deep stacks from scratch stably (Goyal et al. 2017).
-        y = Norm(dtype=self.dtype, scale_init=nn.initializers.zeros)(y)
+        y = group_norm(self.features, dtype=self.dtype, scale_init=nn.initializers.zeros)(y)
         if residual.shape != y.shape:
-            residual = Conv(self.features, 1, self.strides, use_bias=False, dtype=self.dtype)(residual)
-            residual = Norm(dtype=self.dtype)(residual)
+            residual = conv(self.features, 1, self.strides, use_bias=False, dtype=self.dtype)(residual)
+            residual = group_norm(self.features, dtype=self.dtype)(residual)
         return constrain_activation(nn.relu(residual + y))
 
 
@@ -47,15 +47,15 @@ class BottleneckBlock(nn.Module):
     @nn.compact
     def __call__(self, x: jax.Array) -> jax.Array:
         residual = x
-        y = Conv(self.features, 1, use_bias=False, dtype=self.dtype)(x)
-        y = nn.relu(Norm(dtype=self.dtype)(y))
-        y = Conv(self.features, 3, self.strides, use_bias=False, dtype=self.dtype)(y)
-        y = nn.relu(Norm(dtype=self.dtype)(y))
-        y = Conv(self.features * 4, 1, use_bias=False, dtype=self.dtype)(y)
-        y = Norm(dtype=self.dtype, scale_init=nn.initializers.zeros)(y)
+        y = conv(self.features, 1, use_bias=False, dtype=self.dtype)(x)
+        y = nn.relu(group_norm(self.features, dtype=self.dtype)(y))
+        y = conv(self.features, 3, self.strides, use_bias=False, dtype=self.dtype)(y)
+        y = nn.relu(group_norm(self.features, dtype=self.dtype)(y))
+        y = conv(self.features * 4, 1, use_bias=False, dtype=self.dtype)(y)
+        y = group_norm(self.features * 4, dtype=self.dtype, scale_init=nn.initializers.zeros)(y)
         if residual.shape != y.shape:
-            residual = Conv(self.features * 4, 1, self.strides, use_bias=False, dtype=self.dtype)(residual)
-            residual = Norm(dtype=self.dtype)(residual)
+            residual = conv(self.features * 4, 1, self.strides, use_bias=False, dtype=self.dtype)(residual)
+            residual = group_norm(self.features * 4, dtype=self.dtype)(residual)
         return constrain_activation(nn.relu(residual + y))
 
 
@@ -87,8 +87,8 @@ class ResNet(nn.Module):
             raise ConfigError(f"model.backbone.block={self.block!r}; use one of {sorted(BLOCKS)}")
         block_cls = nn.remat(BLOCKS[self.block]) if self.remat else BLOCKS[self.block]
         x = images.astype(self.dtype)
-        x = Conv(self.width, 7, 2, use_bias=False, dtype=self.dtype, name="stem_conv")(x)
-        x = nn.relu(Norm(dtype=self.dtype, name="stem_norm")(x))
+        x = conv(self.width, 7, 2, use_bias=False, dtype=self.dtype, name="stem_conv")(x)
+        x = nn.relu(group_norm(self.width, dtype=self.dtype, name="stem_norm")(x))
         x = nn.max_pool(x, (3, 3), strides=(2, 2), padding="SAME")
         x = constrain_activation(x)
         features = {}

@@ -8,7 +8,7 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
-from detector.layers import Conv, constrain_activation
+from detector.layers import constrain_activation, conv
 
 
 def _upsample_to(x: jax.Array, height: int, width: int) -> jax.Array:
@@ -37,7 +37,7 @@ class FPN(nn.Module):
         top_backbone_level = max(backbone_features)
         fused_levels = range(self.min_level, min(self.max_level, top_backbone_level) + 1)
         laterals = {
-            level: Conv(self.features, 1, dtype=self.dtype, kernel_init=nn.initializers.lecun_normal(),
+            level: conv(self.features, 1, dtype=self.dtype, kernel_init=nn.initializers.lecun_normal(),
                         name=f"lateral{level}")(backbone_features[level])
             for level in fused_levels
         }
@@ -49,14 +49,14 @@ class FPN(nn.Module):
             merged[level] = x
         pyramid = {
             level: constrain_activation(
-                Conv(self.features, 3, dtype=self.dtype, kernel_init=nn.initializers.lecun_normal(),
+                conv(self.features, 3, dtype=self.dtype, kernel_init=nn.initializers.lecun_normal(),
                      name=f"output{level}")(merged[level]))
             for level in fused_levels
         }
         x = pyramid[max(fused_levels)]
         for level in range(max(fused_levels) + 1, self.max_level + 1):
             x = x if level == top_backbone_level + 1 else nn.relu(x)
-            x = Conv(self.features, 3, 2, dtype=self.dtype, kernel_init=nn.initializers.lecun_normal(),
+            x = conv(self.features, 3, 2, dtype=self.dtype, kernel_init=nn.initializers.lecun_normal(),
                      name=f"extra{level}")(x)
             pyramid[level] = constrain_activation(x)
         return pyramid

@@ -25,54 +25,42 @@ def constrain_activation(x: jax.Array) -> jax.Array:
     return nn.with_logical_constraint(x, ACTIVATION_AXES)
 
 
-class Conv(nn.Module):
-    """`nn.Conv` with logically partitioned kernel and bias ('SAME' padding)."""
-
-    features: int
-    kernel_size: int = 3
-    strides: int = 1
-    use_bias: bool = True
-    dtype: Any = jnp.float32
-    kernel_init: Any = nn.initializers.variance_scaling(2.0, "fan_out", "normal")
-    bias_init: Any = nn.initializers.zeros
-
-    @nn.compact
-    def __call__(self, x: jax.Array) -> jax.Array:
-        return nn.Conv(
-            self.features,
-            (self.kernel_size, self.kernel_size),
-            strides=(self.strides, self.strides),
-            padding="SAME",
-            use_bias=self.use_bias,
-            dtype=self.dtype,
-            param_dtype=jnp.float32,
-            kernel_init=nn.with_logical_partitioning(self.kernel_init, KERNEL_AXES),
-            bias_init=nn.with_logical_partitioning(self.bias_init, CHANNEL_AXES),
-        )(x)
+def conv(features: int, kernel_size: int = 3, strides: int = 1, *, use_bias: bool = True,
+         dtype: Any = jnp.float32,
+         kernel_init: Any = nn.initializers.variance_scaling(2.0, "fan_out", "normal"),
+         bias_init: Any = nn.initializers.zeros, name: str | None = None) -> nn.Conv:
+    """`nn.Conv` ('SAME' padding, f32 params) with logically partitioned kernel and bias."""
+    return nn.Conv(
+        features,
+        (kernel_size, kernel_size),
+        strides=(strides, strides),
+        padding="SAME",
+        use_bias=use_bias,
+        dtype=dtype,
+        param_dtype=jnp.float32,
+        kernel_init=nn.with_logical_partitioning(kernel_init, KERNEL_AXES),
+        bias_init=nn.with_logical_partitioning(bias_init, CHANNEL_AXES),
+        name=name,
+    )
 
 
-class Norm(nn.Module):
+def group_norm(channels: int, *, num_groups: int = 8, dtype: Any = jnp.float32,
+               scale_init: Any = nn.initializers.ones, name: str | None = None) -> nn.GroupNorm:
     """GroupNorm with logically partitioned scale/bias.
 
     GroupNorm rather than BatchNorm: detection trains at a few images per
     device, where batch statistics are noisy, and it keeps the model free of
     mutable state, so results do not depend on how the batch is sharded.
+    `num_groups` is lowered to the largest divisor of `channels` for narrow layers.
     """
-
-    num_groups: int = 8
-    dtype: Any = jnp.float32
-    scale_init: Any = nn.initializers.ones
-
-    @nn.compact
-    def __call__(self, x: jax.Array) -> jax.Array:
-        channels = x.shape[-1]
-        groups = min(self.num_groups, channels)
-        while channels % groups:
-            groups -= 1
-        return nn.GroupNorm(
-            num_groups=groups,
-            dtype=self.dtype,
-            param_dtype=jnp.float32,
-            scale_init=nn.with_logical_partitioning(self.scale_init, CHANNEL_AXES),
-            bias_init=nn.with_logical_partitioning(nn.initializers.zeros, CHANNEL_AXES),
-        )(x)
+    groups = min(num_groups, channels)
+    while channels % groups:
+        groups -= 1
+    return nn.GroupNorm(
+        num_groups=groups,
+        dtype=dtype,
+        param_dtype=jnp.float32,
+        scale_init=nn.with_logical_partitioning(scale_init, CHANNEL_AXES),
+        bias_init=nn.with_logical_partitioning(nn.initializers.zeros, CHANNEL_AXES),
+        name=name,
+    )

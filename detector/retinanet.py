@@ -12,7 +12,7 @@ import jax.numpy as jnp
 from detector.backbone import ResNet
 from detector.errors import ConfigError
 from detector.fpn import FPN
-from detector.layers import Conv, Norm
+from detector.layers import conv, group_norm
 
 
 class RetinaNetHead(nn.Module):
@@ -32,19 +32,19 @@ class RetinaNetHead(nn.Module):
     @nn.compact
     def __call__(self, pyramid: dict[int, jax.Array]) -> tuple[jax.Array, jax.Array]:
         # Modules are created once and applied to every level: shared weights.
-        cls_tower = [(Conv(self.features, 3, dtype=self.dtype, kernel_init=nn.initializers.normal(0.01),
-                           name=f"cls_conv{i}"), Norm(dtype=self.dtype, name=f"cls_norm{i}"))
+        cls_tower = [(conv(self.features, 3, dtype=self.dtype, kernel_init=nn.initializers.normal(0.01),
+                           name=f"cls_conv{i}"), group_norm(self.features, dtype=self.dtype, name=f"cls_norm{i}"))
                      for i in range(self.num_convs)]
-        box_tower = [(Conv(self.features, 3, dtype=self.dtype, kernel_init=nn.initializers.normal(0.01),
-                           name=f"box_conv{i}"), Norm(dtype=self.dtype, name=f"box_norm{i}"))
+        box_tower = [(conv(self.features, 3, dtype=self.dtype, kernel_init=nn.initializers.normal(0.01),
+                           name=f"box_conv{i}"), group_norm(self.features, dtype=self.dtype, name=f"box_norm{i}"))
                      for i in range(self.num_convs)]
         # The prior bias makes every anchor start as background with p=0.01, so
         # the focal loss of ~100k easy negatives does not swamp the first steps.
         prior_bias = -math.log((1.0 - self.prior_probability) / self.prior_probability)
-        cls_out = Conv(self.num_anchors * self.num_classes, 3, dtype=self.dtype,
+        cls_out = conv(self.num_anchors * self.num_classes, 3, dtype=self.dtype,
                        kernel_init=nn.initializers.normal(0.01),
                        bias_init=nn.initializers.constant(prior_bias), name="cls_logits")
-        box_out = Conv(self.num_anchors * 4, 3, dtype=self.dtype,
+        box_out = conv(self.num_anchors * 4, 3, dtype=self.dtype,
                        kernel_init=nn.initializers.normal(0.01), name="box_deltas")
 
         all_logits, all_deltas = [], []
@@ -52,11 +52,11 @@ class RetinaNetHead(nn.Module):
             x = pyramid[level]
             batch = x.shape[0]
             c = x
-            for conv, norm in cls_tower:
-                c = nn.relu(norm(conv(c)))
+            for conv_layer, norm_layer in cls_tower:
+                c = nn.relu(norm_layer(conv_layer(c)))
             b = x
-            for conv, norm in box_tower:
-                b = nn.relu(norm(conv(b)))
+            for conv_layer, norm_layer in box_tower:
+                b = nn.relu(norm_layer(conv_layer(b)))
             all_logits.append(cls_out(c).reshape(batch, -1, self.num_classes))
             all_deltas.append(box_out(b).reshape(batch, -1, 4))
         # Losses and post-processing run in float32 whatever the compute dtype.

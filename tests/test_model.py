@@ -48,5 +48,5 @@ def test_classification_bias_starts_at_the_prior():
     config = default.get_config()
     model = create_model(config.model, 4, steps.num_anchors_per_location(config))
     variables = model.init(jax.random.key(0), jnp.zeros((1, 64, 64, 3)))
-    bias = nn.meta.unbox(variables["params"])["head"]["cls_logits"]["Conv_0"]["bias"]
+    bias = nn.meta.unbox(variables["params"])["head"]["cls_logits"]["bias"]
     assert jnp.allclose(jax.nn.sigmoid(bias), 0.01, atol=1e-4)

@@ -47,15 +47,15 @@ def _sharded_state(mesh_config, rules=None):
 def test_parameters_and_optimizer_state_are_partitioned(mesh_config, axis):
     state = _sharded_state(mesh_config)
     specs = describe_param_shardings(state.params)
-    kernel = "backbone/stage2_block1/Conv_1/Conv_0/kernel"
+    kernel = "backbone/stage2_block1/Conv_1/kernel"
     assert axis in specs[kernel]
     size = 2 if axis == "model" else 4
-    param = state.params["backbone"]["stage2_block1"]["Conv_1"]["Conv_0"]["kernel"]
+    param = state.params["backbone"]["stage2_block1"]["Conv_1"]["kernel"]
     # Each device holds 1/size of the kernel.
     assert param.addressable_shards[0].data.size * size == param.size
     # Adam's moments follow their parameter's sharding.
     adam_state = state.opt_state[1][0]
-    mu = adam_state.mu["backbone"]["stage2_block1"]["Conv_1"]["Conv_0"]["kernel"]
+    mu = adam_state.mu["backbone"]["stage2_block1"]["Conv_1"]["kernel"]
     assert mu.sharding == param.sharding
     # Most parameter bytes are split: per-device bytes near total / size.
     leaves = jax.tree.leaves(state.params)
