@@ -20,7 +20,7 @@ def test_logical_rules_reject_unknown_mesh_axis():
 
 def test_indivisible_dimension_stays_replicated():
     mesh = sharding.create_mesh(dict(data=1, fsdp=4, model=2))
-    rules = (("conv_in", "fsdp"), ("conv_out", "model"))
+    rules = (("conv_in", "fsdp"), ("conv_out", "model"))  # both dims, to test each is fitted
     abstract = {"stem": jax.ShapeDtypeStruct((7, 7, 3, 16), jnp.float32),
                 "block": jax.ShapeDtypeStruct((3, 3, 16, 16), jnp.float32)}
     logical = {"stem": P(None, None, "conv_in", "conv_out"), "block": P(None, None, "conv_in", "conv_out")}
