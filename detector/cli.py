@@ -34,13 +34,26 @@ def _fail(message: str, code: int) -> None:
 
 def _parse_flags(argv: Sequence[str]) -> list[str]:
     try:
-        return flags.FLAGS(argv)
+        remaining = flags.FLAGS(argv)
+        # ml_collections loads config files lazily, on first use; load them
+        # here so a missing or broken file is reported like any bad flag.
+        for name in list(flags.FLAGS):
+            value = flags.FLAGS[name].value
+            if type(value).__name__ == "_ErrorConfig":  # a config file that did not load
+                cause = str(object.__getattribute__(value, "_error")).strip().splitlines()[-1].strip()
+                _fail(f"cannot load the config file given as --{name}: {cause}", EXIT_USAGE)
+        return remaining
     except flags.Error as e:
         _fail(f"{e} (see --helpfull for the flags)", EXIT_USAGE)
-    except (KeyError, AttributeError, ValueError, TypeError, FileNotFoundError, SyntaxError) as e:
-        # ml_collections' config flags raise these for an unknown key, a
-        # wrongly typed override or an unloadable config file.
-        _fail(f"bad config: {e}", EXIT_USAGE)
+    except (KeyError, AttributeError) as e:
+        # An override of a key the config does not have.
+        key = str(e).strip("'\"")
+        overrides = [a.split("=", 1)[0] for a in argv if a.startswith("--config.") and key in a.split("=", 1)[0]]
+        where = overrides[0] if overrides else f"config key {key!r}"
+        _fail(f"{where}: the config has no such key; check its spelling against the config file", EXIT_USAGE)
+    except (OSError, SyntaxError, ValueError, TypeError) as e:
+        # A config file that is missing or does not load, or a wrongly typed override.
+        _fail(f"cannot load the config: {e}", EXIT_USAGE)
 
 
 def use_fast_cpu_convolutions() -> None:
