@@ -50,7 +50,7 @@ def _parse_flags(argv: Sequence[str]) -> list[str]:
         key = str(e).strip("'\"")
         overrides = [a.split("=", 1)[0] for a in argv if a.startswith("--config.") and key in a.split("=", 1)[0]]
         where = overrides[0] if overrides else f"config key {key!r}"
-        _fail(f"{where}: the config has no such key; check its spelling against the config file", EXIT_USAGE)
+        _fail(f"{where}: unknown config key; check its spelling against the config file", EXIT_USAGE)
     except (OSError, SyntaxError, ValueError, TypeError) as e:
         # A config file that is missing or does not load, or a wrongly typed override.
         _fail(f"cannot load the config: {e}", EXIT_USAGE)

@@ -1,0 +1,98 @@
+"""`python -m detector.train` with bad input: one `error:` line naming the cause, no traceback.
+
+Each case is a real subprocess (importing TensorFlow and JAX takes seconds),
+so all of them start at once from one fixture and the tests read the results.
+"""
+
+from __future__ import annotations
+
+import os
+import pathlib
+import re
+import subprocess
+import sys
+import time
+
+import pytest
+
+REPO_ROOT = pathlib.Path(__file__).resolve().parent.parent
+TIMEOUT_S = 300
+
+
+def _cases(tmp: pathlib.Path) -> dict[str, dict]:
+    """name -> command-line arguments, expected exit code, patterns the error line must match."""
+    empty_dir = tmp / "empty_data_dir"
+    empty_dir.mkdir()
+    missing_parent = tmp / "no_such_parent" / "data"
+    return {
+        "wrong_mesh": dict(
+            args=["--config.mesh.data=3"], code=1,
+            patterns=[r"mesh \(data=3, fsdp=1, model=1\) needs 3 devices but 8 are available",
+                      r"product is 8"]),
+        "indivisible_batch": dict(
+            args=["--config.global_batch_size=12"], code=1,
+            patterns=[r"global_batch_size=12 does not divide", r"multiple of 8"]),
+        "unknown_config_key": dict(
+            args=["--config.no_such_key=1"], code=2,
+            patterns=[r"--config\.no_such_key\b", r"(?i)unknown|does not exist|no such key|not a (known|valid)"]),
+        "unknown_nested_config_key": dict(
+            args=["--config.model.no_such_key=1"], code=2,
+            patterns=[r"--config\.model\.no_such_key\b", r"(?i)unknown|does not exist|no such key|not a (known|valid)"]),
+        "coco_not_prepared": dict(
+            args=["--config.dataset.name=coco/2017", f"--config.dataset.data_dir={empty_dir}"], code=1,
+            patterns=[re.escape(f"coco/2017 is not prepared in {empty_dir}"), r"tfds build coco/2017"]),
+        "data_dir_parent_missing": dict(
+            args=[f"--config.dataset.data_dir={missing_parent}"], code=1,
+            patterns=[re.escape(f"parent directory {missing_parent.parent} does not exist")]),
+        "config_file_missing": dict(
+            args=[], config="configs/no_such_config.py", code=2,
+            patterns=[r"no_such_config\.py", r"(?i)no such file|not found|does not exist|cannot (load|open|read)"]),
+    }
+
+
+CASE_NAMES = ["wrong_mesh", "indivisible_batch", "unknown_config_key", "unknown_nested_config_key",
+              "coco_not_prepared", "data_dir_parent_missing", "config_file_missing"]
+
+
+@pytest.fixture(scope="module")
+def cli_results(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("cli")
+    data_dir = tmp / "data"
+    data_dir.mkdir()
+    env = dict(os.environ)
+    env.update(XLA_FLAGS="--xla_force_host_platform_device_count=8", JAX_PLATFORMS="cpu",
+               DETECTOR_DATA_DIR=str(data_dir), TF_CPP_MIN_LOG_LEVEL="2", CUDA_VISIBLE_DEVICES="")
+    cases = _cases(tmp)
+    assert sorted(cases) == sorted(CASE_NAMES)
+    processes = {}
+    for name, case in cases.items():
+        command = [sys.executable, "-m", "detector.train", f"--config={case.get('config', 'configs/default.py')}",
+                   f"--workdir={tmp / 'workdirs' / name}", *case["args"]]
+        processes[name] = subprocess.Popen(command, cwd=REPO_ROOT, env=env, stdout=subprocess.PIPE,
+                                           stderr=subprocess.PIPE, text=True)
+    results = {}
+    deadline = time.monotonic() + TIMEOUT_S
+    for name, process in processes.items():
+        try:
+            stdout, stderr = process.communicate(timeout=max(1.0, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            process.kill()
+            stdout, stderr = process.communicate()
+            stderr += f"\n(killed after {TIMEOUT_S}s)"
+        results[name] = dict(case=cases[name], returncode=process.returncode, stdout=stdout, stderr=stderr)
+    return results
+
+
+@pytest.mark.parametrize("name", CASE_NAMES)
+def test_bad_input_fails_with_one_error_line(cli_results, name):
+    result = cli_results[name]
+    stderr = result["stderr"]
+    assert result["returncode"] != 0, stderr
+    assert "Traceback" not in stderr, stderr
+    lines = [line for line in stderr.splitlines() if line.strip()]
+    assert lines, "nothing on stderr"
+    last = lines[-1]
+    assert last.startswith("error: "), stderr
+    for pattern in result["case"]["patterns"]:
+        assert re.search(pattern, last), f"{pattern!r} not in {last!r}"
+    assert result["returncode"] == result["case"]["code"], stderr

@@ -1,0 +1,375 @@
+"""End-to-end training: files in the workdir, exact resume, and sharding that changes placement only.
+
+Everything runs a tiny RetinaNet on 64 px synthetic images for a few steps.
+Compiling the train, predict and init programs dominates the cost here, so
+the module shares one reference run and a persistent compilation cache:
+runs of an identical program (the resumed run, the restores) load it from
+disk instead of compiling it again.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import functools
+import json
+import math
+import os
+import shutil
+import types
+
+import flax
+import flax.linen as nn
+import jax
+import numpy as np
+import pytest
+import tensorflow as tf
+from jax.experimental.compilation_cache import compilation_cache
+
+import input_pipeline
+import sharding
+from configs import default
+from detector import checkpointing, optim, steps, train
+from detector.retinanet import create_model
+from detector.train_state import TrainState, describe_param_shardings, state_shardings
+
+TRAIN_KEYS = {"step", "loss", "cls_loss", "box_loss", "learning_rate", "images_per_second"}
+EVAL_KEYS = {"step", "AP", "AP50", "AP75", "APs", "APm", "APl", "AR100"}
+
+
+def make_config(data_dir, **overrides):
+    """The default recipe shrunk to a few seconds per step on one CPU core; `overrides` use dotted keys."""
+    config = default.get_config()
+    config.dataset.data_dir = str(data_dir)
+    config.dataset.num_train_examples = 64
+    config.dataset.num_eval_examples = 16
+    config.dataset.image_size = 64
+    config.input.image_size = (64, 64)
+    config.input.max_boxes = 8
+    config.input.shuffle_buffer = 64
+    config.global_batch_size = 8
+    config.eval_batch_size = 8
+    config.model.fpn_features = 16
+    config.model.head_features = 16
+    config.model.head_convs = 1
+    config.model.backbone.width = 8
+    config.log_every_steps = 2
+    config.total_steps = 4
+    config.checkpoint_every_steps = 2
+    config.eval_every_steps = 4
+    config.lock()  # A misspelt override below fails instead of adding a key nobody reads.
+    for key, value in overrides.items():
+        *parents, leaf = key.split(".")
+        node = config
+        for name in parents:
+            node = node[name]
+        node[leaf] = value
+    return config
+
+
+def read_jsonl(path):
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+def checkpoint_steps(workdir):
+    directory = workdir / "checkpoints"
+    return sorted(int(p.name) for p in directory.iterdir() if p.name.isdigit()) if directory.exists() else []
+
+
+def restore_latest(workdir, config):
+    """(state as numpy, metadata, step) of the newest checkpoint in `workdir`, restored onto one device."""
+    mesh = sharding.create_mesh(dict(data=1, fsdp=1, model=1), devices=jax.devices()[:1])
+    rules = sharding.logical_rules(config.sharding)
+    info = input_pipeline.get_dataset_info(config)
+    model = create_model(config.model, info.num_classes, steps.num_anchors_per_location(config))
+    tx, _ = optim.create_optimizer(config.optimizer, config.total_steps)
+    with jax.set_mesh(mesh), nn.logical_axis_rules(rules):
+        abstract_state, _ = state_shardings(model, tx, tuple(config.input.image_size), mesh, rules)
+    manager = checkpointing.create_manager(str(workdir), max_to_keep=config.keep_checkpoints)
+    try:
+        step = manager.latest_step()
+        restored = checkpointing.restore_latest(manager, abstract_state)
+    finally:
+        manager.close()
+    assert restored is not None, f"no checkpoint in {workdir}"
+    state, metadata = restored
+    return jax.device_get(state), metadata, step
+
+
+def flat(tree):
+    return flax.traverse_util.flatten_dict(tree, sep="/")
+
+
+def once_per_run(tmp_path_factory, name, produce):
+    """A directory filled by `produce(directory)` once per pytest run.
+
+    pytest-xdist (`-n 2`) may split this module's tests across workers, each
+    with its own module fixtures; the workers then share one result through
+    the run's common temp root instead of each paying for it.
+    """
+    if "PYTEST_XDIST_WORKER" not in os.environ:
+        directory = tmp_path_factory.mktemp(name)
+        produce(directory)
+        return directory
+    root = tmp_path_factory.getbasetemp().parent  # common to this run's workers only
+    directory, complete = root / name, root / f"{name}.complete"
+    with open(root / f"{name}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file closes
+        if not complete.exists():
+            shutil.rmtree(directory, ignore_errors=True)
+            directory.mkdir()
+            produce(directory)
+            complete.touch()
+    return directory
+
+
+@pytest.fixture(scope="module", autouse=True)
+def compilation_cache_dir(tmp_path_factory):
+    """A persistent compilation cache for this module only (restored afterwards)."""
+    names = ("jax_compilation_cache_dir", "jax_persistent_cache_min_compile_time_secs",
+             "jax_persistent_cache_min_entry_size_bytes")
+    saved = {name: getattr(jax.config, name) for name in names}
+    cache_dir = once_per_run(tmp_path_factory, "compilation_cache", lambda directory: None)
+    jax.config.update("jax_compilation_cache_dir", str(cache_dir))
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
+    jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
+    compilation_cache.reset_cache()  # The cache is set up once per process; make it see the new dir.
+    yield
+    for name, value in saved.items():
+        jax.config.update(name, value)
+    compilation_cache.reset_cache()
+
+
+@pytest.fixture(scope="module")
+def data_dir(tmp_path_factory):
+    # Generates the dataset once.
+    return once_per_run(tmp_path_factory, "data", lambda path: input_pipeline.get_dataset_info(make_config(path)))
+
+
+@pytest.fixture(scope="module")
+def reference_run(tmp_path_factory, data_dir):
+    """4 uninterrupted steps, checkpoints at 2 and 4, one evaluation at 4."""
+    config = make_config(data_dir)
+
+    def produce(workdir):
+        metrics = train.train_and_evaluate(config, str(workdir))
+        (workdir / "returned_metrics.json").write_text(json.dumps(metrics))
+
+    workdir = once_per_run(tmp_path_factory, "reference_run", produce)
+    metrics = json.loads((workdir / "returned_metrics.json").read_text())
+    return types.SimpleNamespace(workdir=workdir, config=config, metrics=metrics)
+
+
+def test_training_writes_checkpoints_metrics_and_tensorboard(reference_run):
+    workdir, config = reference_run.workdir, reference_run.config
+    assert config.keep_checkpoints >= 2  # so the step-2 checkpoint must survive the step-4 save
+    assert checkpoint_steps(workdir) == [2, 4]
+
+    train_lines = read_jsonl(workdir / "train_metrics.jsonl")
+    assert [line["step"] for line in train_lines] == [2, 4]  # log_every_steps=2
+    for line in train_lines:
+        assert TRAIN_KEYS <= set(line), line
+        assert all(math.isfinite(line[k]) for k in TRAIN_KEYS), line
+        assert line["images_per_second"] > 0
+    assert train_lines[-1]["learning_rate"] > 0
+
+    eval_lines = read_jsonl(workdir / "eval_metrics.jsonl")
+    assert len(eval_lines) == 1
+    assert set(eval_lines[0]) == EVAL_KEYS
+    assert eval_lines[0]["step"] == 4
+    # The returned metrics are the full pycocotools set; the file holds a summary of the same evaluation.
+    returned = reference_run.metrics
+    assert returned is not None
+    for key in EVAL_KEYS - {"step"}:
+        assert eval_lines[0][key] == pytest.approx(returned[key])
+        assert -1.0 <= returned[key] <= 1.0  # pycocotools: -1 where a size range has no ground truth
+
+    event_files = list((workdir / "tensorboard").glob("events.out.tfevents.*"))
+    assert event_files
+    tags = {value.tag for path in event_files
+            for event in tf.compat.v1.train.summary_iterator(str(path)) for value in event.summary.value}
+    assert {"train/loss", "train/learning_rate", "eval/AP"} <= tags
+
+    saved_config = json.loads((workdir / "config.json").read_text())
+    assert saved_config["global_batch_size"] == 8
+    assert saved_config["total_steps"] == 4
+
+
+class Preempted(Exception):
+    """Stands in for a crash or preemption in the middle of a run."""
+
+
+def test_interrupted_run_resumes_exactly(reference_run, tmp_path, monkeypatch):
+    """Stopping after step 2 and running the same command again gives the uninterrupted run's state.
+
+    The same config both times: the learning-rate schedule is a function of
+    total_steps, so only an unchanged total_steps continues the same schedule.
+    """
+    config = reference_run.config
+    real_create_train_iterator = input_pipeline.create_train_iterator
+    start_steps = []
+
+    def create_train_iterator(config, *, start_step=0):
+        start_steps.append(start_step)
+        batches = real_create_train_iterator(config, start_step=start_step)
+        if len(start_steps) > 1:
+            return batches
+
+        def dies_after_two_batches():
+            yield next(batches)
+            yield next(batches)
+            raise Preempted  # while fetching the batch of step 3, after step 2's checkpoint started
+
+        return dies_after_two_batches()
+
+    monkeypatch.setattr(input_pipeline, "create_train_iterator", create_train_iterator)
+    with pytest.raises(Preempted):
+        train.train_and_evaluate(config, str(tmp_path))
+    assert checkpoint_steps(tmp_path) == [2]  # the in-flight async save completed on the way out
+    assert [line["step"] for line in read_jsonl(tmp_path / "train_metrics.jsonl")] == [2]
+    assert not (tmp_path / "eval_metrics.jsonl").exists()
+
+    metrics = train.train_and_evaluate(config, str(tmp_path))
+    assert start_steps == [0, 2]  # the second run asked the input pipeline to skip the 2 consumed batches
+    assert checkpoint_steps(tmp_path) == [2, 4]
+    train_lines = read_jsonl(tmp_path / "train_metrics.jsonl")
+    assert [line["step"] for line in train_lines] == [2, 4]  # continues, no step trained twice
+    assert [line["step"] for line in read_jsonl(tmp_path / "eval_metrics.jsonl")] == [4]
+
+    # Same batches, same learning rates, same losses as the uninterrupted run.
+    reference_lines = read_jsonl(reference_run.workdir / "train_metrics.jsonl")
+    for key in ("loss", "cls_loss", "box_loss", "grad_norm", "learning_rate"):
+        np.testing.assert_allclose([line[key] for line in train_lines], [line[key] for line in reference_lines],
+                                   rtol=1e-5, err_msg=key)
+    assert metrics == pytest.approx(reference_run.metrics)
+
+    resumed, resumed_metadata, resumed_step = restore_latest(tmp_path, config)
+    reference, _, _ = restore_latest(reference_run.workdir, config)
+    assert resumed_step == 4
+    assert int(resumed.step) == 4
+    assert resumed_metadata == {"step": 4, "batches_consumed": 4}
+    # optax's own step counters (Adam's bias correction, the schedule) continued too.
+    counters = [x for x in jax.tree.leaves(resumed.opt_state) if np.ndim(x) == 0 and np.issubdtype(x.dtype, np.integer)]
+    assert counters and all(int(c) == 4 for c in counters)
+    reference_params, resumed_params = flat(reference.params), flat(resumed.params)
+    assert reference_params.keys() == resumed_params.keys()
+    for name in reference_params:
+        np.testing.assert_allclose(resumed_params[name], reference_params[name], rtol=1e-5, atol=1e-7, err_msg=name)
+    for expected, actual in zip(jax.tree.leaves(reference.opt_state), jax.tree.leaves(resumed.opt_state)):
+        np.testing.assert_allclose(actual, expected, rtol=1e-5, atol=1e-7)
+
+
+@pytest.fixture(scope="module")
+def sharding_comparison(reference_run, data_dir):
+    """Trains the same 3 batches from the same state on any mesh; the 1-device run is the reference.
+
+    Plain SGD here: Adam's first updates are +-lr whatever the gradient's size,
+    which turns rounding-level differences in near-zero gradients into
+    lr-sized parameter differences; SGD keeps them at rounding level, so a
+    tight tolerance can tell a wrong gradient from reordered float sums.
+    """
+    config = make_config(data_dir, **{"optimizer.name": "sgd", "optimizer.learning_rate": 0.05, "total_steps": 3})
+    reference_state, _, _ = restore_latest(reference_run.workdir, reference_run.config)
+    initial_params = reference_state.params  # trained params: a realistic starting point, no init to compile
+    batches_iter = input_pipeline.create_train_iterator(config)
+    batches = [next(batches_iter) for _ in range(3)]
+    info = input_pipeline.get_dataset_info(config)
+    model = create_model(config.model, info.num_classes, steps.num_anchors_per_location(config))
+    anchors = steps.anchors_for_config(config)
+    image_size = tuple(config.input.image_size)
+
+    def run(mesh_shape):
+        """Mirrors train.py: AOT-compiled step with explicit shardings, donated state."""
+        data, fsdp, model_axis = mesh_shape
+        devices = jax.devices()[:data * fsdp * model_axis]
+        mesh = sharding.create_mesh(dict(data=data, fsdp=fsdp, model=model_axis), devices=devices)
+        rules = sharding.logical_rules(config.sharding)
+        batch_axes = sharding.batch_axes(mesh)
+        batch_sharding = sharding.batch_sharding(mesh, batch_axes)
+        tx, schedule = optim.create_optimizer(config.optimizer, config.total_steps)
+        with jax.set_mesh(mesh), nn.logical_axis_rules(rules):
+            abstract_state, shardings = state_shardings(model, tx, image_size, mesh, rules)
+            train_fn = jax.jit(
+                functools.partial(steps.train_step, model=model, tx=tx, schedule=schedule, anchors=anchors,
+                                  loss_config=config.loss, num_classes=info.num_classes),
+                in_shardings=(shardings, batch_sharding),
+                out_shardings=(shardings, sharding.replicated(mesh)),
+                donate_argnums=0,
+            )
+            compiled = train_fn.lower(
+                abstract_state, train.abstract_batch(config, config.global_batch_size, batch_sharding)).compile()
+            params = jax.device_put(initial_params, shardings.params)
+            state = TrainState(step=jax.device_put(np.int32(0), shardings.step), params=params,
+                               opt_state=jax.jit(tx.init, out_shardings=shardings.opt_state)(params))
+        param_specs = describe_param_shardings(state.params)
+        step_metrics = []
+        for batch in batches:
+            state, metrics = compiled(state, input_pipeline.to_global_batch(batch, mesh, batch_axes))
+            step_metrics.append(jax.device_get(metrics))
+        return types.SimpleNamespace(metrics=step_metrics, params=flat(jax.device_get(state.params)),
+                                     param_specs=param_specs)
+
+    return types.SimpleNamespace(run=run, reference=run((1, 1, 1)), initial=flat(initial_params))
+
+
+def _kernel_specs(param_specs):
+    return [spec for name, spec in param_specs.items() if name.endswith("kernel")]
+
+
+def test_parameters_are_partitioned_on_a_2x2x2_mesh(data_dir):
+    config = make_config(data_dir)
+    mesh = sharding.create_mesh(dict(data=2, fsdp=2, model=2))
+    rules = sharding.logical_rules(config.sharding)
+    model = create_model(config.model, input_pipeline.get_dataset_info(config).num_classes,
+                         steps.num_anchors_per_location(config))
+    tx, _ = optim.create_optimizer(config.optimizer, config.total_steps)
+    with jax.set_mesh(mesh), nn.logical_axis_rules(rules):
+        abstract_state, _ = state_shardings(model, tx, tuple(config.input.image_size), mesh, rules)
+    specs = describe_param_shardings(abstract_state.params)
+    kernels = _kernel_specs(specs)
+    assert any("'model'" in spec for spec in kernels), specs
+    assert any("'fsdp'" in spec for spec in kernels), specs
+
+
+@pytest.mark.parametrize("mesh_shape", [(1, 2, 4), (2, 2, 2)],
+                         ids=lambda shape: "x".join(map(str, shape)))
+def test_sharding_changes_placement_not_results(sharding_comparison, mesh_shape):
+    sharded = sharding_comparison.run(mesh_shape)
+    reference, initial = sharding_comparison.reference, sharding_comparison.initial
+
+    kernels = _kernel_specs(sharded.param_specs)
+    for axis, size in zip(("fsdp", "model"), mesh_shape[1:]):
+        if size > 1:  # the parameters really are partitioned over this axis
+            assert any(f"'{axis}'" in spec for spec in kernels), sharded.param_specs
+
+    for step, (expected, actual) in enumerate(zip(reference.metrics, sharded.metrics), start=1):
+        for key in ("loss", "cls_loss", "box_loss", "grad_norm"):
+            np.testing.assert_allclose(actual[key], expected[key], rtol=1e-4, err_msg=f"step {step} {key}")
+    for name, expected in reference.params.items():
+        np.testing.assert_allclose(sharded.params[name], expected, rtol=1e-4, atol=1e-5, err_msg=name)
+        # The update itself, measured against its own size: a wrong gradient
+        # hides under the parameter's magnitude but not here.
+        expected_update = expected - initial[name]
+        error = np.max(np.abs((sharded.params[name] - initial[name]) - expected_update))
+        assert error <= 1e-3 * np.max(np.abs(expected_update)) + 1e-8, (name, error)
+
+
+@pytest.mark.parametrize("mesh_shape", [(4, 1, 2), (2, 4, 1)], ids=["data4_model2", "data2_fsdp4"])
+def test_resume_onto_another_mesh_and_train(reference_run, data_dir, tmp_path, mesh_shape):
+    """Steps 3-4 on a new mesh from the reference run's step-2 checkpoint (written on data=8)."""
+    shutil.copytree(reference_run.workdir / "checkpoints" / "2", tmp_path / "checkpoints" / "2")
+    data, fsdp, model_axis = mesh_shape
+    config = make_config(data_dir,
+                         **{"mesh.data": data, "mesh.fsdp": fsdp, "mesh.model": model_axis})
+    metrics = train.train_and_evaluate(config, str(tmp_path))
+
+    assert json.loads((tmp_path / "config.json").read_text())["mesh"] == dict(data=data, fsdp=fsdp, model=model_axis)
+    assert checkpoint_steps(tmp_path) == [2, 4]
+    [line] = read_jsonl(tmp_path / "train_metrics.jsonl")  # 2 steps trained, logged once at step 4
+    assert line["step"] == 4
+    assert all(math.isfinite(line[k]) for k in TRAIN_KEYS), line
+    # Same state, same batches: the mean loss of steps 3-4 matches the reference
+    # (not to rounding level: Adam magnifies rounding differences in step 3's update).
+    [reference_line] = [x for x in read_jsonl(reference_run.workdir / "train_metrics.jsonl") if x["step"] == 4]
+    assert line["loss"] == pytest.approx(reference_line["loss"], rel=1e-4)
+    assert line["learning_rate"] == pytest.approx(reference_line["learning_rate"], rel=1e-6)
+    assert metrics is not None and all(math.isfinite(v) for v in metrics.values())
