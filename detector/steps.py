@@ -69,7 +69,7 @@ def train_step(state: TrainState, batch: dict[str, jax.Array], *, model: nn.Modu
         "cls_loss": terms["cls_loss"],
         "box_loss": terms["box_loss"],
         "num_positives": terms["num_positives"].astype(jnp.float32),
-        "grad_norm": optax.global_norm(grads),
+        "grad_norm": optax.tree.norm(grads),
         "learning_rate": schedule(state.step),
     }
     return state.replace(step=state.step + 1, params=params, opt_state=opt_state), metrics

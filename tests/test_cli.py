@@ -47,6 +47,8 @@ def _cases(tmp: pathlib.Path) -> dict[str, dict]:
         "config_file_missing": dict(
             args=[], config="configs/no_such_config.py", code=2,
             patterns=[r"no_such_config\.py", r"(?i)no such file|not found|does not exist|cannot (load|open|read)"]),
+        # --verbose: the same bad mesh, now with the traceback (checked separately).
+        "verbose_wrong_mesh": dict(args=["--verbose", "--config.mesh.data=3"], code=1, patterns=[]),
     }
 
 
@@ -63,7 +65,7 @@ def cli_results(tmp_path_factory):
     env.update(XLA_FLAGS="--xla_force_host_platform_device_count=8", JAX_PLATFORMS="cpu",
                DETECTOR_DATA_DIR=str(data_dir), TF_CPP_MIN_LOG_LEVEL="2", CUDA_VISIBLE_DEVICES="")
     cases = _cases(tmp)
-    assert sorted(cases) == sorted(CASE_NAMES)
+    assert sorted(cases) == sorted(CASE_NAMES + ["verbose_wrong_mesh"])
     processes = {}
     for name, case in cases.items():
         command = [sys.executable, "-m", "detector.train", f"--config={case.get('config', 'configs/default.py')}",
@@ -96,3 +98,10 @@ def test_bad_input_fails_with_one_error_line(cli_results, name):
     for pattern in result["case"]["patterns"]:
         assert re.search(pattern, last), f"{pattern!r} not in {last!r}"
     assert result["returncode"] == result["case"]["code"], stderr
+
+
+def test_verbose_shows_the_traceback(cli_results):
+    result = cli_results["verbose_wrong_mesh"]
+    assert result["returncode"] != 0
+    assert "Traceback (most recent call last)" in result["stderr"]
+    assert re.search(r"MeshError: mesh \(data=3, fsdp=1, model=1\) needs 3 devices", result["stderr"]), result["stderr"]

@@ -37,7 +37,7 @@ EVAL_KEYS = {"step", "AP", "AP50", "AP75", "APs", "APm", "APl", "AR100"}
 
 
 def make_config(data_dir, **overrides):
-    """The default recipe shrunk to a few seconds per step on one CPU core; `overrides` use dotted keys."""
+    """The default recipe shrunk to 64 px images and a tiny model; `overrides` use dotted keys."""
     config = default.get_config()
     config.dataset.data_dir = str(data_dir)
     config.dataset.num_train_examples = 64
@@ -358,8 +358,7 @@ def test_resume_onto_another_mesh_and_train(reference_run, data_dir, tmp_path, m
     """Steps 3-4 on a new mesh from the reference run's step-2 checkpoint (written on data=8)."""
     shutil.copytree(reference_run.workdir / "checkpoints" / "2", tmp_path / "checkpoints" / "2")
     data, fsdp, model_axis = mesh_shape
-    config = make_config(data_dir,
-                         **{"mesh.data": data, "mesh.fsdp": fsdp, "mesh.model": model_axis})
+    config = make_config(data_dir, **{"mesh.data": data, "mesh.fsdp": fsdp, "mesh.model": model_axis})
     metrics = train.train_and_evaluate(config, str(tmp_path))
 
     assert json.loads((tmp_path / "config.json").read_text())["mesh"] == dict(data=data, fsdp=fsdp, model=model_axis)
