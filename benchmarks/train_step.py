@@ -39,7 +39,6 @@ def _configure_devices(argv: list[str]) -> None:
 
 def main(argv: list[str]) -> None:
     del argv
-    import functools
     import time
 
     import flax.linen as nn
@@ -49,8 +48,8 @@ def main(argv: list[str]) -> None:
     import sharding
     from detector import optim, steps
     from detector.retinanet import create_model
-    from detector.train import abstract_batch
-    from detector.train_state import init_train_state, state_shardings
+    from detector.train import compile_train_step
+    from detector.train_state import init_train_state
     from sharding import memory
 
     config = _CONFIG.value
@@ -64,20 +63,13 @@ def main(argv: list[str]) -> None:
         per_device_batch = sharding.check_global_batch(config.global_batch_size, mesh)
         model = create_model(config.model, _NUM_CLASSES.value, steps.num_anchors_per_location(config))
         tx, schedule = optim.create_optimizer(config.optimizer, config.total_steps)
-        anchors = steps.anchors_for_config(config)
         batch_sharding = sharding.batch_sharding(mesh, sharding.batch_axes(mesh))
         with jax.set_mesh(mesh), nn.logical_axis_rules(rules):
-            abstract, shardings = state_shardings(model, tx, (height, width), mesh, rules)
-            state = init_train_state(model, tx, (height, width), shardings, jax.random.key(0))
-            step_fn = jax.jit(
-                functools.partial(steps.train_step, model=model, tx=tx, schedule=schedule, anchors=anchors,
-                                  loss_config=config.loss, num_classes=_NUM_CLASSES.value),
-                in_shardings=(shardings, batch_sharding),
-                out_shardings=(shardings, sharding.replicated(mesh)), donate_argnums=0)
             start = time.perf_counter()
-            compiled = step_fn.lower(abstract, abstract_batch(config, config.global_batch_size,
-                                                              batch_sharding)).compile()
+            compiled, _, shardings = compile_train_step(config, model, tx, schedule, num_classes=_NUM_CLASSES.value,
+                                                        mesh=mesh, rules=rules)
             compile_s = time.perf_counter() - start
+            state = init_train_state(model, tx, (height, width), shardings, jax.random.key(0))
         batch = _random_batch(config, np.random.default_rng(0))
         batch = jax.device_put(batch, batch_sharding)
         for _ in range(2):

@@ -10,6 +10,7 @@ checkpoint written on one mesh loads onto any other.
 from __future__ import annotations
 
 import logging
+import os
 from typing import Any
 
 import orbax.checkpoint as ocp
@@ -22,7 +23,11 @@ METADATA_ITEM = "metadata"
 
 
 def checkpoint_dir(workdir: str) -> epath.Path:
-    return epath.Path(workdir) / "checkpoints"
+    """`WORKDIR/checkpoints`, absolute: Orbax refuses relative paths (`--workdir=runs/x`)."""
+    path = epath.Path(workdir)
+    if "://" not in str(workdir):  # local paths only; gs:// and friends are absolute already
+        path = epath.Path(os.path.abspath(workdir))
+    return path / "checkpoints"
 
 
 def create_manager(workdir: str, *, max_to_keep: int) -> ocp.CheckpointManager:

@@ -33,7 +33,7 @@ from detector import checkpointing, cli, evaluation, optim, steps
 from detector.errors import ConfigError
 from detector.metric_writers import MetricWriter
 from detector.retinanet import create_model
-from detector.train_state import count_params, init_train_state, state_shardings
+from detector.train_state import TrainState, count_params, init_train_state, state_shardings
 from sharding import memory
 
 _CONFIG = config_flags.DEFINE_config_file("config", None, "Path to a config file (get_config()).", lock_config=True)
@@ -63,6 +63,29 @@ def abstract_batch(config: ml_collections.ConfigDict, global_batch_size: int,
         "example_mask": ((b,), jnp.bool_),
     }
     return {k: jax.ShapeDtypeStruct(shape, dtype, sharding=batch_sharding) for k, (shape, dtype) in spec.items()}
+
+
+def compile_train_step(config: ml_collections.ConfigDict, model: nn.Module, tx, schedule, *, num_classes: int,
+                       mesh: jax.sharding.Mesh, rules) -> tuple[Any, TrainState, TrainState]:
+    """Compiles the train step ahead of time with explicit shardings and a donated state.
+
+    Must run inside `jax.set_mesh(mesh)` and `nn.logical_axis_rules(rules)`.
+    Returns (compiled step `(state, global_batch) -> (state, metrics)`,
+    abstract state carrying its shardings, state shardings).
+    """
+    abstract_state, shardings = state_shardings(model, tx, tuple(config.input.image_size), mesh, rules)
+    batch_sharding = sharding.batch_sharding(mesh, sharding.batch_axes(mesh))
+    train_fn = jax.jit(
+        functools.partial(steps.train_step, model=model, tx=tx, schedule=schedule,
+                          anchors=steps.anchors_for_config(config), loss_config=config.loss,
+                          num_classes=num_classes),
+        in_shardings=(shardings, batch_sharding),
+        out_shardings=(shardings, sharding.replicated(mesh)),
+        donate_argnums=0,
+    )
+    compiled = train_fn.lower(abstract_state, abstract_batch(config, config.global_batch_size,
+                                                             batch_sharding)).compile()
+    return compiled, abstract_state, shardings
 
 
 def _with_batch_size(config: ml_collections.ConfigDict, global_batch_size: int) -> ml_collections.ConfigDict:
@@ -108,14 +131,9 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict[
     # Ahead-of-time compilation with explicit shardings; memory report.
     # ------------------------------------------------------------------------
     with jax.set_mesh(mesh), nn.logical_axis_rules(rules):
-        abstract_state, state_shardings_tree = state_shardings(model, tx, image_size, mesh, rules)
-        train_fn = jax.jit(
-            functools.partial(steps.train_step, model=model, tx=tx, schedule=schedule, anchors=anchors,
-                              loss_config=config.loss, num_classes=dataset_info.num_classes),
-            in_shardings=(state_shardings_tree, batch_sharding),
-            out_shardings=(state_shardings_tree, sharding.replicated(mesh)),
-            donate_argnums=0,
-        )
+        compile_start = time.perf_counter()
+        compiled_train, abstract_state, state_shardings_tree = compile_train_step(
+            config, model, tx, schedule, num_classes=dataset_info.num_classes, mesh=mesh, rules=rules)
         predict_fn = jax.jit(
             functools.partial(steps.predict_step, model=model, anchors=anchors,
                               postprocess_config=config.postprocess, image_size=image_size,
@@ -123,9 +141,6 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict[
             in_shardings=(state_shardings_tree.params, batch_sharding),
             out_shardings=batch_sharding,
         )
-        compile_start = time.perf_counter()
-        compiled_train = train_fn.lower(
-            abstract_state, abstract_batch(config, config.global_batch_size, batch_sharding)).compile()
         compiled_predict = predict_fn.lower(
             abstract_state.params, abstract_batch(config, config.eval_batch_size, batch_sharding)).compile()
         logging.info("compiled train and predict steps in %.1fs", time.perf_counter() - compile_start)

@@ -10,7 +10,6 @@ disk instead of compiling it again.
 from __future__ import annotations
 
 import fcntl
-import functools
 import json
 import math
 import os
@@ -274,8 +273,6 @@ def sharding_comparison(reference_run, data_dir):
     batches = [next(batches_iter) for _ in range(3)]
     info = input_pipeline.get_dataset_info(config)
     model = create_model(config.model, info.num_classes, steps.num_anchors_per_location(config))
-    anchors = steps.anchors_for_config(config)
-    image_size = tuple(config.input.image_size)
 
     def run(mesh_shape):
         """Mirrors train.py: AOT-compiled step with explicit shardings, donated state."""
@@ -284,19 +281,10 @@ def sharding_comparison(reference_run, data_dir):
         mesh = sharding.create_mesh(dict(data=data, fsdp=fsdp, model=model_axis), devices=devices)
         rules = sharding.logical_rules(config.sharding)
         batch_axes = sharding.batch_axes(mesh)
-        batch_sharding = sharding.batch_sharding(mesh, batch_axes)
         tx, schedule = optim.create_optimizer(config.optimizer, config.total_steps)
         with jax.set_mesh(mesh), nn.logical_axis_rules(rules):
-            abstract_state, shardings = state_shardings(model, tx, image_size, mesh, rules)
-            train_fn = jax.jit(
-                functools.partial(steps.train_step, model=model, tx=tx, schedule=schedule, anchors=anchors,
-                                  loss_config=config.loss, num_classes=info.num_classes),
-                in_shardings=(shardings, batch_sharding),
-                out_shardings=(shardings, sharding.replicated(mesh)),
-                donate_argnums=0,
-            )
-            compiled = train_fn.lower(
-                abstract_state, train.abstract_batch(config, config.global_batch_size, batch_sharding)).compile()
+            compiled, _, shardings = train.compile_train_step(config, model, tx, schedule, num_classes=info.num_classes,
+                                                              mesh=mesh, rules=rules)
             params = jax.device_put(initial_params, shardings.params)
             state = TrainState(step=jax.device_put(np.int32(0), shardings.step), params=params,
                                opt_state=jax.jit(tx.init, out_shardings=shardings.opt_state)(params))

@@ -1,0 +1,29 @@
+import jax.numpy as jnp
+import numpy as np
+
+from detector import checkpointing
+
+
+def test_relative_workdir_saves_and_restores(tmp_path, monkeypatch):
+    # The README's command uses --workdir=runs/default; Orbax needs absolute paths.
+    monkeypatch.chdir(tmp_path)
+    manager = checkpointing.create_manager("runs/relative", max_to_keep=2)
+    state = {"w": jnp.arange(6.0).reshape(2, 3), "step": jnp.int32(3)}
+    assert checkpointing.save(manager, 3, state, {"step": 3})
+    manager.wait_until_finished()
+    assert (tmp_path / "runs" / "relative" / "checkpoints" / "3").is_dir()
+    restored, metadata = checkpointing.restore_latest(manager, state)
+    np.testing.assert_array_equal(restored["w"], state["w"])
+    assert metadata == {"step": 3}
+    manager.close()
+
+
+def test_keeps_the_last_k(tmp_path):
+    manager = checkpointing.create_manager(str(tmp_path), max_to_keep=2)
+    for step in (1, 2, 3):
+        checkpointing.save(manager, step, {"w": jnp.full((2,), float(step))}, {"step": step})
+        manager.wait_until_finished()
+    assert manager.all_steps() == [2, 3]
+    restored, _ = checkpointing.restore_latest(manager, {"w": jnp.zeros((2,))})
+    np.testing.assert_array_equal(restored["w"], [3.0, 3.0])
+    manager.close()
