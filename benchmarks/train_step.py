@@ -48,7 +48,7 @@ def main(argv: list[str]) -> None:
     import sharding
     from detector import optim, steps
     from detector.retinanet import create_model
-    from detector.train import compile_train_step
+    from detector.steps import compile_train_step
     from detector.train_state import init_train_state
     from sharding import memory
 
@@ -86,8 +86,8 @@ def main(argv: list[str]) -> None:
                      config.global_batch_size / step_s,
                      report.total_bytes / 2**20 if report else float("nan"), flops / 1e9))
 
-    print(f"\n{jax.device_count()} {jax.devices()[0].platform} devices, config "
-          f"{flags.FLAGS['config'].value}, global batch {config.global_batch_size}, image {height}x{width}\n")
+    print(f"\n{jax.device_count()} {jax.devices()[0].platform} devices, global batch "
+          f"{config.global_batch_size}, image {height}x{width}\n")
     print("| mesh (data,fsdp,model) | per-device batch | compile s | step ms | images/s "
           "| per-device MiB | GFLOP/step/device |")
     print("|---|---|---|---|---|---|---|")

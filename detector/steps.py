@@ -12,12 +12,14 @@ from typing import Any
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
+import ml_collections
 import numpy as np
 import optax
 
+import sharding
 from detector import anchors as anchors_lib
 from detector import losses, postprocess
-from detector.train_state import TrainState
+from detector.train_state import TrainState, state_shardings
 
 
 def anchors_for_config(config) -> np.ndarray:
@@ -95,3 +97,45 @@ def predict_step(params, batch: dict[str, jax.Array], *, model: nn.Module, ancho
     )
     return {**detections, "image_id": batch["image_id"], "scale": batch["scale"],
             "original_size": batch["original_size"], "example_mask": batch["example_mask"]}
+
+
+def abstract_batch(config: ml_collections.ConfigDict, global_batch_size: int,
+                   batch_sharding: jax.sharding.NamedSharding) -> dict[str, jax.ShapeDtypeStruct]:
+    """Shapes, dtypes and sharding of one global batch, as the input pipeline yields it."""
+    height, width = config.input.image_size
+    max_boxes = config.input.max_boxes
+    b = global_batch_size
+    spec = {
+        "image": ((b, height, width, 3), jnp.float32),
+        "boxes": ((b, max_boxes, 4), jnp.float32),
+        "labels": ((b, max_boxes), jnp.int32),
+        "boxes_mask": ((b, max_boxes), jnp.bool_),
+        "image_id": ((b,), jnp.int32),
+        "scale": ((b,), jnp.float32),
+        "original_size": ((b, 2), jnp.int32),
+        "example_mask": ((b,), jnp.bool_),
+    }
+    return {k: jax.ShapeDtypeStruct(shape, dtype, sharding=batch_sharding) for k, (shape, dtype) in spec.items()}
+
+
+def compile_train_step(config: ml_collections.ConfigDict, model: nn.Module, tx, schedule, *, num_classes: int,
+                       mesh: jax.sharding.Mesh, rules) -> tuple[Any, TrainState, TrainState]:
+    """Compiles `train_step` ahead of time with explicit shardings and a donated state.
+
+    Must run inside `jax.set_mesh(mesh)` and `nn.logical_axis_rules(rules)`.
+    Returns (compiled step `(state, global_batch) -> (state, metrics)`,
+    abstract state carrying its shardings, state shardings).
+    """
+    abstract_state, shardings = state_shardings(model, tx, tuple(config.input.image_size), mesh, rules)
+    batch_sharding = sharding.batch_sharding(mesh, sharding.batch_axes(mesh))
+    train_fn = jax.jit(
+        functools.partial(train_step, model=model, tx=tx, schedule=schedule,
+                          anchors=anchors_for_config(config), loss_config=config.loss,
+                          num_classes=num_classes),
+        in_shardings=(shardings, batch_sharding),
+        out_shardings=(shardings, sharding.replicated(mesh)),
+        donate_argnums=0,
+    )
+    compiled = train_fn.lower(abstract_state, abstract_batch(config, config.global_batch_size,
+                                                             batch_sharding)).compile()
+    return compiled, abstract_state, shardings

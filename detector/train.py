@@ -16,11 +16,9 @@ import json
 import logging as pylogging
 import math
 import time
-from typing import Any
 
 import flax.linen as nn
 import jax
-import jax.numpy as jnp
 import ml_collections
 import numpy as np
 from absl import flags, logging
@@ -33,7 +31,7 @@ from detector import checkpointing, cli, evaluation, optim, steps
 from detector.errors import ConfigError
 from detector.metric_writers import MetricWriter
 from detector.retinanet import create_model
-from detector.train_state import TrainState, count_params, init_train_state, state_shardings
+from detector.train_state import count_params, init_train_state
 from sharding import memory
 
 _CONFIG = config_flags.DEFINE_config_file("config", None, "Path to a config file (get_config()).", lock_config=True)
@@ -44,48 +42,6 @@ flags.mark_flags_as_required(["config", "workdir"])
 def _format_duration(seconds: float) -> str:
     seconds = int(max(0, seconds))
     return f"{seconds // 3600}h{seconds % 3600 // 60:02d}m" if seconds >= 3600 else f"{seconds // 60}m{seconds % 60:02d}s"
-
-
-def abstract_batch(config: ml_collections.ConfigDict, global_batch_size: int,
-                   batch_sharding: jax.sharding.NamedSharding) -> dict[str, jax.ShapeDtypeStruct]:
-    """Shapes, dtypes and sharding of one global batch, as the input pipeline yields it."""
-    height, width = config.input.image_size
-    max_boxes = config.input.max_boxes
-    b = global_batch_size
-    spec = {
-        "image": ((b, height, width, 3), jnp.float32),
-        "boxes": ((b, max_boxes, 4), jnp.float32),
-        "labels": ((b, max_boxes), jnp.int32),
-        "boxes_mask": ((b, max_boxes), jnp.bool_),
-        "image_id": ((b,), jnp.int32),
-        "scale": ((b,), jnp.float32),
-        "original_size": ((b, 2), jnp.int32),
-        "example_mask": ((b,), jnp.bool_),
-    }
-    return {k: jax.ShapeDtypeStruct(shape, dtype, sharding=batch_sharding) for k, (shape, dtype) in spec.items()}
-
-
-def compile_train_step(config: ml_collections.ConfigDict, model: nn.Module, tx, schedule, *, num_classes: int,
-                       mesh: jax.sharding.Mesh, rules) -> tuple[Any, TrainState, TrainState]:
-    """Compiles the train step ahead of time with explicit shardings and a donated state.
-
-    Must run inside `jax.set_mesh(mesh)` and `nn.logical_axis_rules(rules)`.
-    Returns (compiled step `(state, global_batch) -> (state, metrics)`,
-    abstract state carrying its shardings, state shardings).
-    """
-    abstract_state, shardings = state_shardings(model, tx, tuple(config.input.image_size), mesh, rules)
-    batch_sharding = sharding.batch_sharding(mesh, sharding.batch_axes(mesh))
-    train_fn = jax.jit(
-        functools.partial(steps.train_step, model=model, tx=tx, schedule=schedule,
-                          anchors=steps.anchors_for_config(config), loss_config=config.loss,
-                          num_classes=num_classes),
-        in_shardings=(shardings, batch_sharding),
-        out_shardings=(shardings, sharding.replicated(mesh)),
-        donate_argnums=0,
-    )
-    compiled = train_fn.lower(abstract_state, abstract_batch(config, config.global_batch_size,
-                                                             batch_sharding)).compile()
-    return compiled, abstract_state, shardings
 
 
 def _with_batch_size(config: ml_collections.ConfigDict, global_batch_size: int) -> ml_collections.ConfigDict:
@@ -132,7 +88,7 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict[
     # ------------------------------------------------------------------------
     with jax.set_mesh(mesh), nn.logical_axis_rules(rules):
         compile_start = time.perf_counter()
-        compiled_train, abstract_state, state_shardings_tree = compile_train_step(
+        compiled_train, abstract_state, state_shardings_tree = steps.compile_train_step(
             config, model, tx, schedule, num_classes=dataset_info.num_classes, mesh=mesh, rules=rules)
         predict_fn = jax.jit(
             functools.partial(steps.predict_step, model=model, anchors=anchors,
@@ -142,7 +98,7 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict[
             out_shardings=batch_sharding,
         )
         compiled_predict = predict_fn.lower(
-            abstract_state.params, abstract_batch(config, config.eval_batch_size, batch_sharding)).compile()
+            abstract_state.params, steps.abstract_batch(config, config.eval_batch_size, batch_sharding)).compile()
         logging.info("compiled train and predict steps in %.1fs", time.perf_counter() - compile_start)
 
     num_params = count_params(abstract_state.params)

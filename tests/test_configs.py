@@ -16,7 +16,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 
 import sharding
 from configs import retinanet_r50_coco
-from detector import optim, steps, train
+from detector import optim, steps
 from detector.retinanet import create_model
 from detector.train_state import count_params, state_shardings
 from input_pipeline import datasets
@@ -107,7 +107,7 @@ def test_r50_train_step_compiles_on_8_devices():
             donate_argnums=0,
         )
         compiled = train_fn.lower(
-            abstract_state, train.abstract_batch(config, config.global_batch_size, batch_sharding)).compile()
+            abstract_state, steps.abstract_batch(config, config.global_batch_size, batch_sharding)).compile()
 
     # RetinaNet R50-FPN: torchvision's has 34.01M parameters with 91 classes,
     # 33.79M with 80; GroupNorm in the head towers and biases differ slightly.

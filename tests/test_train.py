@@ -283,7 +283,7 @@ def sharding_comparison(reference_run, data_dir):
         batch_axes = sharding.batch_axes(mesh)
         tx, schedule = optim.create_optimizer(config.optimizer, config.total_steps)
         with jax.set_mesh(mesh), nn.logical_axis_rules(rules):
-            compiled, _, shardings = train.compile_train_step(config, model, tx, schedule, num_classes=info.num_classes,
+            compiled, _, shardings = steps.compile_train_step(config, model, tx, schedule, num_classes=info.num_classes,
                                                               mesh=mesh, rules=rules)
             params = jax.device_put(initial_params, shardings.params)
             state = TrainState(step=jax.device_put(np.int32(0), shardings.step), params=params,
