@@ -52,6 +52,17 @@ def local_batch_size(config, process_count: int | None = None) -> int:
   return global_batch // process_count
 
 
+def _setup(config, process_index, process_count):
+  """TF setup plus what both pipelines need: this process, its batch, transforms, decoder."""
+  datasets.configure_tf()
+  if process_index is None:
+    process_index = jax.process_index()
+  if process_count is None:
+    process_count = jax.process_count()
+  return (process_index, process_count, local_batch_size(config, process_count),
+          transforms.TransformOptions.from_config(config), datasets.get_decoder(config))
+
+
 def _options(config) -> tf.data.Options:
   options = tf.data.Options()
   # A private pool bounds how many cores tf.data takes from the trainer.
@@ -93,14 +104,7 @@ def train_dataset(config, *, start_step: int = 0,
       so resuming costs about one pass over start_step * b records.
     process_index, process_count: default to jax's; settable for tests.
   """
-  datasets.configure_tf()
-  if process_index is None:
-    process_index = jax.process_index()
-  if process_count is None:
-    process_count = jax.process_count()
-  batch = local_batch_size(config, process_count)
-  opts = transforms.TransformOptions.from_config(config)
-  decode = datasets.get_decoder(config)
+  process_index, process_count, batch, opts, decode = _setup(config, process_index, process_count)
   split = tfds.split_for_jax_process(
       config.dataset.train_split, process_index=process_index,
       process_count=process_count, drop_remainder=True)
@@ -154,14 +158,7 @@ def eval_dataset(config, *, process_index: int | None = None,
   ceil(num_eval_examples / global_batch_size); the tail is filled with
   masked dummy examples (example_mask False, image_id -1, labels -1).
   """
-  datasets.configure_tf()
-  if process_index is None:
-    process_index = jax.process_index()
-  if process_count is None:
-    process_count = jax.process_count()
-  batch = local_batch_size(config, process_count)
-  opts = transforms.TransformOptions.from_config(config)
-  decode = datasets.get_decoder(config)
+  process_index, process_count, batch, opts, decode = _setup(config, process_index, process_count)
   info = datasets.get_dataset_info(config)
   num_batches = math.ceil(
       info.num_eval_examples / int(config.global_batch_size))
