@@ -14,12 +14,18 @@ def get_config() -> ml_collections.ConfigDict:
     # split over data x fsdp; parameters over fsdp (and model, where the rules say).
     config.mesh = ml_collections.ConfigDict(dict(data=-1, fsdp=1, model=1))
     config.sharding = ml_collections.ConfigDict()
-    # Conv kernels split their output channels over fsdp x model: FSDP gathers
-    # them on use, and `model` splits each layer's output channels (tensor
-    # parallel), matching the activations' `channels` rule. Splitting the input
-    # channels over fsdp as well is avoided: XLA (jax 0.10, both partitioners)
-    # computes wrong kernel gradients for kernels split on both dimensions on a
-    # mesh with data, fsdp and model all > 1; tests compare against one device.
+    # Logical axis -> mesh axes, for every model in the project (names a model
+    # does not use are ignored).
+    #  * Batch over data x fsdp: both axes are data parallel for activations.
+    #  * Conv kernels split their output channels over fsdp x model: FSDP
+    #    gathers them on use, and `model` splits each layer's output channels
+    #    (tensor parallel), matching the activations' `channels` rule. Input
+    #    channels stay whole: XLA (jax 0.10, both partitioners) computes wrong
+    #    kernel gradients for conv kernels split on both dimensions on a mesh
+    #    with data, fsdp and model all > 1; tests compare against one device.
+    #  * ViT: matmul kernels' model width on fsdp (ZeRO-3: gathered on use);
+    #    heads and MLP hidden units on model (Megatron); width-sized vectors on
+    #    both, since they are gathered on use like the kernels.
     config.sharding.rules = (
         ("batch", ("data", "fsdp")),
         ("height", None),
@@ -29,7 +35,22 @@ def get_config() -> ml_collections.ConfigDict:
         ("kernel_w", None),
         ("conv_in", None),
         ("conv_out", ("fsdp", "model")),
+        ("stages", None),
+        ("layers", None),
+        ("embed", "fsdp"),
+        ("heads", "model"),
+        ("kv", None),
+        ("mlp", "model"),
+        ("norm", ("fsdp", "model")),
+        ("tokens", None),
+        ("act_embed", None),
+        ("act_heads", "model"),
+        ("act_mlp", "model"),
     )
+    # Spatial partitioning for conv detectors at high resolution: image height
+    # (and every conv activation after it) is split over `model` instead of
+    # channels; XLA exchanges the halo rows each convolution needs.
+    config.sharding.spatial_partitioning = False
 
     config.dataset = ml_collections.ConfigDict()
     config.dataset.name = "synthetic_shapes"
@@ -52,9 +73,10 @@ def get_config() -> ml_collections.ConfigDict:
     config.input.prefetch = 2
 
     config.model = ml_collections.ConfigDict()
-    config.model.dtype = "float32"
-    config.model.remat = False
-    config.model.backbone = ml_collections.ConfigDict(dict(stage_sizes=(1, 1, 1, 1), width=16, block="basic"))
+    config.model.dtype = "float32"  # compute dtype: "bfloat16" for mixed precision (params stay float32)
+    config.model.remat = "none"  # per-block rematerialisation: "none", "full" or "dots"
+    config.model.backbone = ml_collections.ConfigDict(dict(
+        name="resnet", stage_sizes=(1, 1, 1, 1), width=16, block="basic"))
     config.model.fpn_features = 64
     config.model.head_convs = 2
     config.model.head_features = 64

@@ -10,7 +10,7 @@ import jax
 import jax.numpy as jnp
 
 from detector.errors import ConfigError
-from detector.layers import constrain_activation, conv, group_norm
+from detector.layers import constrain_activation, conv, group_norm, rematerialized
 
 
 class BasicBlock(nn.Module):
@@ -70,7 +70,7 @@ class ResNet(nn.Module):
       width: channels of the first stage (64 for the standard ResNets); stage i
         has width * 2**i (times 4 for bottleneck outputs).
       block: 'basic' or 'bottleneck'.
-      remat: recompute each block's activations in the backward pass.
+      remat: rematerialisation policy per block: 'none', 'full' or 'dots'.
     Returns:
       dict {level: features}, level l in 2..5 at stride 2**l, `[B, H/2**l, W/2**l, C_l]`.
     """
@@ -78,14 +78,14 @@ class ResNet(nn.Module):
     stage_sizes: Sequence[int]
     width: int = 64
     block: str = "bottleneck"
-    remat: bool = False
+    remat: str = "none"
     dtype: Any = jnp.float32
 
     @nn.compact
     def __call__(self, images: jax.Array) -> dict[int, jax.Array]:
         if self.block not in BLOCKS:
             raise ConfigError(f"model.backbone.block={self.block!r}; use one of {sorted(BLOCKS)}")
-        block_cls = nn.remat(BLOCKS[self.block]) if self.remat else BLOCKS[self.block]
+        block_cls = rematerialized(BLOCKS[self.block], self.remat)
         x = images.astype(self.dtype)
         x = conv(self.width, 7, 2, use_bias=False, dtype=self.dtype, name="stem_conv")(x)
         x = nn.relu(group_norm(self.width, dtype=self.dtype, name="stem_norm")(x))

@@ -53,10 +53,20 @@ class FPN(nn.Module):
                      name=f"output{level}")(merged[level]))
             for level in fused_levels
         }
-        x = pyramid[max(fused_levels)]
-        for level in range(max(fused_levels) + 1, self.max_level + 1):
-            x = x if level == top_backbone_level + 1 else nn.relu(x)
-            x = conv(self.features, 3, 2, dtype=self.dtype, kernel_init=nn.initializers.lecun_normal(),
-                     name=f"extra{level}")(x)
-            pyramid[level] = constrain_activation(x)
-        return pyramid
+        return add_extra_levels(pyramid, self.features, self.max_level, self.dtype)
+
+
+def add_extra_levels(pyramid: dict[int, jax.Array], features: int, max_level: int,
+                     dtype: Any = jnp.float32) -> dict[int, jax.Array]:
+    """Adds levels up to `max_level` by stride-2 3x3 convs on the top level (RetinaNet's P6/P7).
+
+    Call from a compact `__call__`: the convs become the caller's submodules
+    `extra{level}`. ReLU precedes every extra conv but the first.
+    """
+    first_extra = max(pyramid) + 1
+    x = pyramid[max(pyramid)]
+    for level in range(first_extra, max_level + 1):
+        x = x if level == first_extra else nn.relu(x)
+        x = conv(features, 3, 2, dtype=dtype, kernel_init=nn.initializers.lecun_normal(), name=f"extra{level}")(x)
+        pyramid[level] = constrain_activation(x)
+    return pyramid

@@ -15,6 +15,8 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
+from detector.errors import ConfigError
+
 KERNEL_AXES = ("kernel_h", "kernel_w", "conv_in", "conv_out")
 CHANNEL_AXES = ("conv_out",)
 ACTIVATION_AXES = ("batch", "height", "width", "channels")
@@ -64,3 +66,26 @@ def group_norm(channels: int, *, num_groups: int = 8, dtype: Any = jnp.float32,
         bias_init=nn.with_logical_partitioning(nn.initializers.zeros, CHANNEL_AXES),
         name=name,
     )
+
+
+REMAT_POLICIES = {
+    "none": None,
+    # Recompute everything in the backward pass: least memory, ~1/3 more FLOPs.
+    "full": jax.checkpoint_policies.nothing_saveable,
+    # Keep matmul outputs, recompute the cheap elementwise ops around them.
+    "dots": jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
+}
+
+
+def rematerialized(module_cls: type[nn.Module], policy_name: str, *, prevent_cse: bool = True) -> type[nn.Module]:
+    """`module_cls` wrapped in `nn.remat` with the named policy ('none' returns it unchanged).
+
+    Rematerialisation drops the block's activations after the forward pass and
+    recomputes them in the backward pass: per-device temporaries fall roughly
+    with the number of blocks, at the price of a second forward.
+    """
+    if policy_name not in REMAT_POLICIES:
+        raise ConfigError(f"model.remat={policy_name!r}; use one of {', '.join(REMAT_POLICIES)}")
+    if policy_name == "none":
+        return module_cls
+    return nn.remat(module_cls, policy=REMAT_POLICIES[policy_name], prevent_cse=prevent_cse)

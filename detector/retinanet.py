@@ -1,4 +1,4 @@
-"""RetinaNet: ResNet backbone -> FPN -> shared dense classification/box heads."""
+"""RetinaNet: a ResNet-FPN or ViT-simple-pyramid trunk -> shared dense classification/box heads."""
 
 from __future__ import annotations
 
@@ -12,7 +12,9 @@ import jax.numpy as jnp
 from detector.backbone import ResNet
 from detector.errors import ConfigError
 from detector.fpn import FPN
-from detector.layers import conv, group_norm
+from detector import level_packing
+from detector.layers import constrain_activation, conv, group_norm
+from detector.vit import SimpleFeaturePyramid, ViT
 
 
 class RetinaNetHead(nn.Module):
@@ -47,64 +49,75 @@ class RetinaNetHead(nn.Module):
         box_out = conv(self.num_anchors * 4, 3, dtype=self.dtype,
                        kernel_init=nn.initializers.normal(0.01), name="box_deltas")
 
-        all_logits, all_deltas = [], []
-        for level in sorted(pyramid):
-            x = pyramid[level]
-            batch = x.shape[0]
-            c = x
-            for conv_layer, norm_layer in cls_tower:
-                c = nn.relu(norm_layer(conv_layer(c)))
-            b = x
-            for conv_layer, norm_layer in box_tower:
-                b = nn.relu(norm_layer(conv_layer(b)))
-            all_logits.append(cls_out(c).reshape(batch, -1, self.num_classes))
-            all_deltas.append(box_out(b).reshape(batch, -1, 4))
+        # Each conv runs once on a canvas holding every level (see
+        # level_packing: one kernel-gradient reduction instead of one per
+        # level); GroupNorm keeps per-level statistics, as in the paper.
+        layout = level_packing.plan_layout({level: x.shape[1:3] for level, x in pyramid.items()})
+        canvas = constrain_activation(level_packing.pack(pyramid, layout))
+
+        def tower(layers):
+            x = canvas
+            for conv_layer, norm_layer in layers:
+                levels = level_packing.unpack(conv_layer(x), layout)
+                x = constrain_activation(level_packing.pack(
+                    {level: nn.relu(norm_layer(y)) for level, y in levels.items()}, layout))
+            return x
+
+        logits = level_packing.unpack(cls_out(tower(cls_tower)), layout)
+        deltas = level_packing.unpack(box_out(tower(box_tower)), layout)
+        batch = canvas.shape[0]
+        all_logits = [logits[level].reshape(batch, -1, self.num_classes) for level in sorted(pyramid)]
+        all_deltas = [deltas[level].reshape(batch, -1, 4) for level in sorted(pyramid)]
         # Losses and post-processing run in float32 whatever the compute dtype.
         return (jnp.concatenate(all_logits, axis=1).astype(jnp.float32),
                 jnp.concatenate(all_deltas, axis=1).astype(jnp.float32))
 
 
 class RetinaNet(nn.Module):
-    """The detector. `__call__(images [B,H,W,3] float) -> (cls_logits [B,A,C], box_deltas [B,A,4])`."""
+    """The detector: backbone -> neck (feature pyramid) -> shared dense head.
 
-    num_classes: int
-    num_anchors: int
-    stage_sizes: tuple[int, ...] = (3, 4, 6, 3)
-    backbone_width: int = 64
-    block: str = "bottleneck"
-    fpn_features: int = 256
-    head_convs: int = 4
-    head_features: int = 256
-    min_level: int = 3
-    max_level: int = 7
-    remat: bool = False
-    dtype: Any = jnp.float32
+    `__call__(images [B,H,W,3] float) -> (cls_logits [B,A,C], box_deltas [B,A,4])`.
+    """
 
-    @nn.compact
+    backbone: nn.Module  # images -> {level: features}
+    neck: nn.Module  # {level: features} -> {level: [B, H/2**l, W/2**l, F]}
+    head: RetinaNetHead
+
     def __call__(self, images: jax.Array) -> tuple[jax.Array, jax.Array]:
-        features = ResNet(self.stage_sizes, self.backbone_width, self.block, self.remat, self.dtype,
-                          name="backbone")(images)
-        pyramid = FPN(self.fpn_features, self.min_level, self.max_level, self.dtype, name="fpn")(features)
-        return RetinaNetHead(self.num_classes, self.num_anchors, self.head_convs, self.head_features,
-                             dtype=self.dtype, name="head")(pyramid)
+        return self.head(self.neck(self.backbone(images)))
+
+
+DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
+BACKBONES = ("resnet", "vit")
 
 
 def create_model(model_config, num_classes: int, num_anchors: int) -> RetinaNet:
-    """Builds the detector from `config.model`."""
-    dtypes = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
-    if model_config.dtype not in dtypes:
-        raise ConfigError(f"model.dtype={model_config.dtype!r}; use one of {sorted(dtypes)}")
-    return RetinaNet(
-        num_classes=num_classes,
-        num_anchors=num_anchors,
-        stage_sizes=tuple(model_config.backbone.stage_sizes),
-        backbone_width=model_config.backbone.width,
-        block=model_config.backbone.block,
-        fpn_features=model_config.fpn_features,
-        head_convs=model_config.head_convs,
-        head_features=model_config.head_features,
-        min_level=model_config.anchors.min_level,
-        max_level=model_config.anchors.max_level,
-        remat=model_config.remat,
-        dtype=dtypes[model_config.dtype],
-    )
+    """Builds the detector from `config.model`.
+
+    `model.backbone.name` picks the trunk: 'resnet' (with an FPN neck) or 'vit'
+    (with ViTDet's simple feature pyramid). `model.dtype` is the compute dtype;
+    parameters, optimizer state and losses stay float32.
+    """
+    if model_config.dtype not in DTYPES:
+        raise ConfigError(f"model.dtype={model_config.dtype!r}; use one of {', '.join(DTYPES)}")
+    dtype = DTYPES[model_config.dtype]
+    backbone_config = model_config.backbone
+    name = backbone_config.get("name", None)
+    levels = dict(min_level=model_config.anchors.min_level, max_level=model_config.anchors.max_level)
+    if name == "resnet":
+        backbone = ResNet(tuple(backbone_config.stage_sizes), backbone_config.width, backbone_config.block,
+                          model_config.remat, dtype)
+        neck = FPN(model_config.fpn_features, **levels, dtype=dtype)
+    elif name == "vit":
+        backbone = ViT(patch_size=backbone_config.patch_size, embed_dim=backbone_config.embed_dim,
+                       depth=backbone_config.depth, num_heads=backbone_config.num_heads,
+                       mlp_ratio=backbone_config.mlp_ratio, window_size=backbone_config.window_size,
+                       global_attention_every=backbone_config.global_attention_every,
+                       pretrain_image_size=backbone_config.pretrain_image_size,
+                       remat=model_config.remat, scan=backbone_config.scan, dtype=dtype)
+        neck = SimpleFeaturePyramid(model_config.fpn_features, **levels, dtype=dtype)
+    else:
+        raise ConfigError(f"model.backbone.name={name!r}; use one of {', '.join(BACKBONES)}")
+    head = RetinaNetHead(num_classes, num_anchors, model_config.head_convs, model_config.head_features,
+                         dtype=dtype)
+    return RetinaNet(backbone=backbone, neck=neck, head=head)

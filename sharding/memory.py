@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import dataclasses
+import math
 from typing import Any
 
 import jax
+import numpy as np
 
 from sharding.mesh import MeshError
 
@@ -62,3 +64,17 @@ def check_fits(report: MemoryReport | None, limit_bytes: int | None) -> None:
         f"the train step needs {report.total_bytes / 2**30:.2f} GiB per device but the device has "
         f"{limit_bytes / 2**30:.2f} GiB; shard more (raise mesh.fsdp or mesh.model), lower "
         f"global_batch_size, or enable model.remat")
+
+
+def per_device_bytes(tree: Any) -> int:
+    """Bytes one device holds of a pytree of sharded arrays or `ShapeDtypeStruct`s.
+
+    Counts each leaf's shard shape (the full shape where a leaf carries no
+    sharding), so replicated leaves count in full on every device.
+    """
+    total = 0
+    for leaf in jax.tree.leaves(tree):
+        leaf_sharding = getattr(leaf, "sharding", None)
+        shape = leaf_sharding.shard_shape(leaf.shape) if leaf_sharding is not None else leaf.shape
+        total += math.prod(shape) * np.dtype(leaf.dtype).itemsize
+    return total

@@ -21,10 +21,27 @@ from sharding.mesh import MESH_AXES, MeshError
 LogicalRules = tuple[tuple[str, str | tuple[str, ...] | None], ...]
 
 
+# With spatial partitioning, conv activations split their height over `model`
+# and keep whole channels, so conv kernels must not be split over `model`.
+SPATIAL_PARTITIONING_RULES: LogicalRules = (
+    ("height", "model"),
+    ("channels", None),
+    ("conv_out", "fsdp"),
+)
+
+
 def logical_rules(sharding_config) -> LogicalRules:
-    """Validates and returns `config.sharding.rules` as a tuple of (logical, mesh axes)."""
+    """Validates and returns `config.sharding.rules` as a tuple of (logical, mesh axes).
+
+    `sharding_config.spatial_partitioning` replaces the rules for the names in
+    SPATIAL_PARTITIONING_RULES.
+    """
+    configured = tuple(sharding_config.rules)
+    if sharding_config.get("spatial_partitioning", False):
+        overridden = dict(SPATIAL_PARTITIONING_RULES)
+        configured = tuple(SPATIAL_PARTITIONING_RULES) + tuple(r for r in configured if r[0] not in overridden)
     rules = []
-    for rule in sharding_config.rules:
+    for rule in configured:
         if len(rule) != 2:
             raise MeshError(f"sharding rule {rule!r} must be a pair (logical_axis, mesh_axes)")
         logical, mesh_axes = rule

@@ -236,6 +236,11 @@ def get_decoder(config) -> Callable[[dict], dict]:
   return decode
 
 
+def class_names(config) -> tuple[str, ...]:
+  """Class names of `config.dataset`, label order, without reading or preparing any data."""
+  return tuple(_check_name(config).class_names)
+
+
 def get_dataset_info(config, *, sync: bool = True) -> DatasetInfo:
   """Class names, category ids and eval size of `config.dataset`.
 
@@ -266,6 +271,7 @@ __all__ = [
     "DatasetError",
     "DatasetInfo",
     "KNOWN_DATASETS",
+    "class_names",
     "configure_tf",
     "get_builder",
     "get_dataset_info",
