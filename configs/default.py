@@ -24,8 +24,10 @@ def get_config() -> ml_collections.ConfigDict:
     #    kernel gradients for conv kernels split on both dimensions on a mesh
     #    with data, fsdp and model all > 1; tests compare against one device.
     #  * ViT: matmul kernels' model width on fsdp (ZeRO-3: gathered on use);
-    #    heads and MLP hidden units on model (Megatron); width-sized vectors on
-    #    both, since they are gathered on use like the kernels.
+    #    heads and MLP hidden units on model (Megatron). Width-sized vectors
+    #    (LayerNorm, output biases) only on fsdp: split over model, XLA would
+    #    propagate their split into the residual stream and gather it back
+    #    before every matmul.
     config.sharding.rules = (
         ("batch", ("data", "fsdp")),
         ("height", None),
@@ -41,7 +43,7 @@ def get_config() -> ml_collections.ConfigDict:
         ("heads", "model"),
         ("kv", None),
         ("mlp", "model"),
-        ("norm", ("fsdp", "model")),
+        ("norm", "fsdp"),
         ("tokens", None),
         ("act_embed", None),
         ("act_heads", "model"),

@@ -32,7 +32,7 @@ from detector.errors import ConfigError
 from detector.metric_writers import MetricWriter
 from detector.retinanet import create_model
 from detector.train_state import count_params, init_train_state
-from sharding import memory
+from sharding import memory, plan
 
 _CONFIG = config_flags.DEFINE_config_file("config", None, "Path to a config file (get_config()).", lock_config=True)
 _WORKDIR = flags.DEFINE_string("workdir", None, "Directory for checkpoints, metrics and logs.")
@@ -105,7 +105,11 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict[
     logging.info("model: %.2fM parameters, %d anchors per image", num_params / 1e6, anchors.shape[0])
     report = memory.memory_report(compiled_train)
     if report is not None:
-        logging.info("train step %s", report.describe())
+        # The same accounting as `python -m sharding.plan`, on the real devices.
+        step_plan = plan.plan_from_compiled(
+            compiled_train, abstract_state, steps.abstract_batch(config, config.global_batch_size, batch_sharding),
+            dict(mesh.shape), config.global_batch_size)
+        logging.info("train step %s; per device:\n%s", report.describe(), plan.format_table([step_plan]))
     memory.check_fits(report, memory.device_memory_limit_bytes())
 
     # ------------------------------------------------------------------------

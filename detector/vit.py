@@ -150,6 +150,9 @@ class Block(nn.Module):
 
     @nn.compact
     def __call__(self, x: jax.Array, _: Any = None) -> tuple[jax.Array, None]:
+        # Pin the incoming residual stream too: inside a scan it is the loop
+        # carry, whose sharding XLA would otherwise infer from its first use.
+        x = nn.with_logical_constraint(x, TOKEN_GRID_AXES)
         y = Attention(self.num_heads, self.window_size, self.dtype, name="attn")(_layer_norm(self.dtype, "norm1")(x))
         x = nn.with_logical_constraint(x + y, TOKEN_GRID_AXES)
         y = Mlp(self.mlp_hidden, self.dtype, name="mlp")(_layer_norm(self.dtype, "norm2")(x))

@@ -155,7 +155,8 @@ def _divisors(n: int) -> list[int]:
     return [d for d in range(1, n + 1) if n % d == 0]
 
 
-def _with_mesh(config, shape: tuple[int, int, int]):
+def with_mesh_shape(config, shape: tuple[int, int, int]):
+    """A copy of `config` with `mesh` set to (data, fsdp, model) = `shape`."""
     config = config.copy_and_resolve_references()
     for axis, size in zip(MESH_AXES, shape):
         config.mesh[axis] = size
@@ -163,16 +164,18 @@ def _with_mesh(config, shape: tuple[int, int, int]):
 
 
 def search_fitting_mesh(config, limit_bytes: int, devices=None, max_model: int = 8,
-                        tried: list[StepPlan] | None = None) -> StepPlan | None:
+                        tried: list[StepPlan] | None = None, max_candidates: int | None = None) -> StepPlan | None:
     """The first `candidate_meshes` split whose train step fits `limit_bytes`, or None.
 
-    Appends every plan it compiles to `tried`.
+    Compiles at most `max_candidates` splits (each is a full compile) and
+    appends every plan it compiles to `tried`.
     """
     import jax
 
     devices = list(jax.devices() if devices is None else devices)
-    for shape in candidate_meshes(len(devices), config.global_batch_size, max_model):
-        plan = plan_train_step(_with_mesh(config, shape), devices)
+    candidates = candidate_meshes(len(devices), config.global_batch_size, max_model)
+    for shape in candidates[:max_candidates]:
+        plan = plan_train_step(with_mesh_shape(config, shape), devices)
         if tried is not None:
             tried.append(plan)
         if plan.fits(limit_bytes):
@@ -241,7 +244,8 @@ def main(argv: list[str]) -> None:
     fitting = plans[0] if plans[0].fits(limit) else None
     if fitting is None and _SEARCH.value:
         tried: list[StepPlan] = []
-        fitting = search_fitting_mesh(config, limit, max_model=_MAX_MODEL.value, tried=tried)
+        fitting = search_fitting_mesh(config, limit, max_model=_MAX_MODEL.value, tried=tried,
+                                      max_candidates=_MAX_CANDIDATES.value)
         configured = tuple(plans[0].mesh_shape[a] for a in MESH_AXES)
         plans += [p for p in tried if tuple(p.mesh_shape[a] for a in MESH_AXES) != configured]
     print(format_table(plans, limit))
@@ -254,7 +258,8 @@ def main(argv: list[str]) -> None:
         print(f"smallest split that fits: --config.mesh.data={m['data']} --config.mesh.fsdp={m['fsdp']} "
               f"--config.mesh.model={m['model']} ({_gb(fitting.total_bytes)} GB per device)")
     elif fitting is None and not configured.fits(limit):
-        print("no fsdp/model split up to --max_model fits; enable model.remat, use model.dtype=bfloat16, "
+        print(f"none of the {len(plans)} splits tried fits (--max_model={_MAX_MODEL.value}, "
+              f"--max_candidates={_MAX_CANDIDATES.value}); set model.remat=full, use model.dtype=bfloat16, "
               "lower global_batch_size, or add devices")
     if _JSON.value:
         with open(_JSON.value, "w") as f:
@@ -273,6 +278,7 @@ if __name__ == "__main__":
     _DEVICE_MEMORY_GB = flags.DEFINE_float("device_memory_gb", 80.0, "Memory per device, in GB (10^9 bytes).")
     _SEARCH = flags.DEFINE_bool("search", True, "When the configured mesh does not fit, search fsdp/model splits.")
     _MAX_MODEL = flags.DEFINE_integer("max_model", 8, "Largest `model` axis the search tries (devices per host).")
+    _MAX_CANDIDATES = flags.DEFINE_integer("max_candidates", 8, "Most splits the search compiles.")
     _JSON = flags.DEFINE_string("json", None, "Also write the plans as JSON to this path.")
     _CONFIG_PATH = lambda: flags.FLAGS["config"].config_filename  # noqa: E731
     flags.mark_flags_as_required(["config"])

@@ -1,0 +1,76 @@
+"""Level packing: a shared conv on the packed canvas equals the conv on each level alone."""
+
+from __future__ import annotations
+
+import itertools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from detector import level_packing
+from detector.retinanet import RetinaNetHead
+
+
+def pyramid_shapes(height: int, width: int, min_level: int = 3, max_level: int = 7) -> dict[int, tuple[int, int]]:
+    return {level: (-(-height // 2**level), -(-width // 2**level)) for level in range(min_level, max_level + 1)}
+
+
+@pytest.mark.parametrize("size", [(128, 128), (1024, 1024), (800, 1333), (96, 160)])
+def test_regions_fit_the_canvas_and_never_touch(size):
+    shapes = pyramid_shapes(*size)
+    layout = level_packing.plan_layout(shapes)
+    assert set(layout.regions) == set(shapes)
+    for level, (y, x, h, w) in layout.regions.items():
+        assert (h, w) == shapes[level]
+        assert 0 <= y and y + h <= layout.height and 0 <= x and x + w <= layout.width
+    for (_, a), (_, b) in itertools.combinations(layout.regions.items(), 2):
+        # Grown by the gap, two regions still do not overlap.
+        apart_y = a[0] + a[2] + level_packing.GAP <= b[0] or b[0] + b[2] + level_packing.GAP <= a[0]
+        apart_x = a[1] + a[3] + level_packing.GAP <= b[1] or b[1] + b[3] + level_packing.GAP <= a[1]
+        assert apart_y or apart_x, (a, b)
+    area = sum(h * w for h, w in shapes.values())
+    if min(size) >= 512:
+        assert layout.height * layout.width <= 1.2 * area  # little padding at detection sizes
+
+
+def test_pack_unpack_round_trip_with_zero_gaps():
+    shapes = pyramid_shapes(128, 128)
+    rng = np.random.default_rng(0)
+    features = {level: jnp.asarray(rng.normal(size=(2, h, w, 5)) + 10, jnp.float32) for level, (h, w) in shapes.items()}
+    layout = level_packing.plan_layout(shapes)
+    canvas = level_packing.pack(features, layout)
+    assert canvas.shape == (2, layout.height, layout.width, 5)
+    for level, x in level_packing.unpack(canvas, layout).items():
+        np.testing.assert_array_equal(x, features[level])
+    # Everything outside the regions is zero (features are ~10, never zero).
+    covered = sum(h * w for h, w in shapes.values())
+    assert int(jnp.sum(canvas != 0)) == 2 * 5 * covered
+
+
+def test_conv_on_canvas_equals_conv_per_level():
+    shapes = pyramid_shapes(160, 96)
+    rng = np.random.default_rng(1)
+    features = {level: jnp.asarray(rng.normal(size=(2, h, w, 4)), jnp.float32) for level, (h, w) in shapes.items()}
+    kernel = jnp.asarray(rng.normal(size=(3, 3, 4, 6)), jnp.float32)
+
+    def conv(x):
+        return jax.lax.conv_general_dilated(x, kernel, (1, 1), "SAME", dimension_numbers=("NHWC", "HWIO", "NHWC"))
+
+    layout = level_packing.plan_layout(shapes)
+    packed = level_packing.unpack(conv(level_packing.pack(features, layout)), layout)
+    for level, x in features.items():
+        np.testing.assert_allclose(packed[level], conv(x), rtol=1e-5, atol=1e-5, err_msg=f"P{level}")
+
+
+def test_head_outputs_equal_level_by_level_application():
+    head = RetinaNetHead(num_classes=3, num_anchors=2, num_convs=2, features=8)
+    rng = np.random.default_rng(2)
+    pyramid = {level: jnp.asarray(rng.normal(size=(2, h, w, 8)), jnp.float32)
+               for level, (h, w) in pyramid_shapes(64, 96, 3, 6).items()}
+    params = head.init(jax.random.key(0), pyramid)
+    logits, deltas = head.apply(params, pyramid)
+    per_level = [head.apply(params, {level: x}) for level, x in sorted(pyramid.items())]
+    np.testing.assert_allclose(logits, jnp.concatenate([p[0] for p in per_level], axis=1), rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(deltas, jnp.concatenate([p[1] for p in per_level], axis=1), rtol=1e-5, atol=1e-5)

@@ -1,0 +1,340 @@
+"""Model parallelism shards what it promises, moves what it should, and changes no result.
+
+Per-device bytes come from XLA's own `memory_analysis()` of the compiled train
+step and collectives from its optimized HLO, through `sharding.plan`, the
+same code the plan CLI and the trainer use.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import math
+import subprocess
+import sys
+
+import flax
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+import sharding
+from configs import default, vitdet_tiny
+from detector import optim, steps
+from detector.retinanet import create_model
+from detector.train_state import TrainState, describe_param_shardings, state_shardings
+from detector.vit import ViT
+from sharding import plan as plan_lib
+from sharding.collectives import parse_collectives
+
+NUM_CLASSES = 4  # synthetic_shapes
+
+
+def tensor_parallel_vit_config():
+    """A tiny ViT detector whose large dimensions all divide 8.
+
+    8 heads of width 16, MLP 512, pyramid/head width 64, and 6 anchors per
+    location so the class and box outputs (24 channels each) split too.
+    """
+    config = vitdet_tiny.get_config()
+    config.model.backbone.embed_dim = 128
+    config.model.backbone.num_heads = 8
+    config.model.anchors.num_scales = 2
+    config.global_batch_size = 8
+    return config
+
+
+def plan_on(config, shape):
+    devices = jax.devices()[:math.prod(shape)]
+    return plan_lib.plan_train_step(plan_lib.with_mesh_shape(config, shape), devices)
+
+
+@pytest.fixture(scope="module")
+def vit_plans():
+    """Plans of the tensor-parallel ViT config by mesh shape, compiled once each."""
+    config = tensor_parallel_vit_config()
+    return functools.cache(lambda shape: plan_on(config, shape))
+
+
+def state_bytes_from_xla(plan) -> int:
+    """Train-state bytes per device as XLA counts its arguments (the batch is the rest)."""
+    return plan.memory.argument_bytes - plan.batch_bytes
+
+
+# ----------------------------------------------------------------------------
+# Memory: FSDP and tensor parallelism divide the train state.
+# ----------------------------------------------------------------------------
+
+
+def test_fsdp_divides_parameters_and_optimizer_state_by_eight(vit_plans):
+    unsharded, fsdp = vit_plans((1, 1, 1)), vit_plans((1, 8, 1))
+    # XLA's argument bytes are the shard shapes we assigned: the accounting
+    # agrees (up to unused scalar arguments XLA leaves out).
+    for plan in (unsharded, fsdp):
+        assigned = plan.params_bytes + plan.opt_state_bytes
+        assert abs(state_bytes_from_xla(plan) - assigned) <= 1e-3 * assigned
+    assert state_bytes_from_xla(fsdp) <= 1.1 * state_bytes_from_xla(unsharded) / 8
+
+
+@pytest.mark.parametrize("model", [2, 4, 8])
+def test_tensor_parallel_divides_vit_state_by_the_model_axis(vit_plans, model):
+    ratio = state_bytes_from_xla(vit_plans((1, 1, 1))) / state_bytes_from_xla(vit_plans((1, 1, model)))
+    assert ratio >= 0.9 * model, ratio
+
+
+# ----------------------------------------------------------------------------
+# Communication.
+# ----------------------------------------------------------------------------
+
+
+def _parameter_sizes(config) -> set[int]:
+    """Element counts of every parameter and of its per-layer slice (scanned stacks)."""
+    model = create_model(config.model, NUM_CLASSES, steps.num_anchors_per_location(config))
+    shapes = jax.eval_shape(lambda: model.init(jax.random.key(0), jnp.zeros((1, *config.input.image_size, 3))))
+    sizes = set()
+    for leaf in jax.tree.leaves(flax.linen.meta.unbox(shapes)):
+        for stacked_dims in range(3):
+            sizes.add(math.prod(leaf.shape[stacked_dims:]))
+    return sizes
+
+
+def test_data_parallel_moves_gradients_once_and_no_activations(vit_plans):
+    plan, unsharded = vit_plans((8, 1, 1)), vit_plans((1, 1, 1))
+    summary = plan.collective_summary
+    assert summary["all-reduce"].bytes <= 1.1 * unsharded.params_bytes, (summary, unsharded.params_bytes)
+    assert summary["all-reduce"].bytes >= unsharded.params_bytes  # every gradient is averaged
+    for kind in ("all-gather", "reduce-scatter", "all-to-all", "collective-permute"):
+        assert summary[kind].count == 0, (kind, summary)
+    # Every reduced buffer is a gradient (or a scalar metric), never an activation.
+    parameter_sizes = _parameter_sizes(tensor_parallel_vit_config()) | {1}
+    for collective in plan.collectives:
+        for dtype, shape in collective.shapes:
+            assert math.prod(shape) in parameter_sizes, (dtype, shape)
+
+
+def _compiled_backbone_forward(config, mesh_shape):
+    backbone_config = config.model.backbone
+    backbone = ViT(patch_size=16, embed_dim=backbone_config.embed_dim, depth=backbone_config.depth,
+                   num_heads=backbone_config.num_heads, window_size=backbone_config.window_size,
+                   global_attention_every=backbone_config.global_attention_every,
+                   pretrain_image_size=backbone_config.pretrain_image_size, scan=backbone_config.scan)
+    mesh = sharding.create_mesh(dict(zip(sharding.MESH_AXES, mesh_shape)), jax.devices()[:math.prod(mesh_shape)])
+    rules = sharding.logical_rules(config.sharding)
+    images = jax.ShapeDtypeStruct((config.global_batch_size, *config.input.image_size, 3), jnp.float32,
+                                  sharding=sharding.batch_sharding(mesh, sharding.batch_axes(mesh)))
+    with jax.set_mesh(mesh), nn.logical_axis_rules(rules):
+        # The same shardings the trainer gives parameters; the optimizer is irrelevant here.
+        abstract_state, _ = state_shardings(backbone, optax.sgd(0.1), tuple(config.input.image_size), mesh, rules)
+        forward = jax.jit(lambda params, x: backbone.apply({"params": params}, x)[4])
+        return forward.lower(abstract_state.params, images).compile(), abstract_state.params
+
+
+@pytest.mark.parametrize("scan", [True, False], ids=["scanned", "unrolled"])
+def test_tensor_parallel_block_needs_two_all_reduces_in_the_forward_pass(scan):
+    config = tensor_parallel_vit_config()
+    config.model.backbone.depth = 4
+    config.model.backbone.scan = scan
+    compiled, params = _compiled_backbone_forward(config, (2, 1, 4))
+    # The blocks' kernels are really split over `model` (Megatron layout).
+    specs = {k: str(v.sharding.spec) for k, v in flax.traverse_util.flatten_dict(params, sep="/").items()}
+    qkv = next(v for k, v in specs.items() if k.endswith("qkv/kernel"))
+    fc2 = next(v for k, v in specs.items() if k.endswith("fc2/kernel"))
+    assert "'model'" in qkv and "'model'" in fc2, specs
+    all_reduces = [c for c in parse_collectives(compiled.as_text()) if c.kind == "all-reduce"]
+    assert sum(c.executions for c in all_reduces) == 2 * config.model.backbone.depth, all_reduces
+    assert all(c.group_size == 4 for c in all_reduces), all_reduces
+
+
+# ----------------------------------------------------------------------------
+# Rematerialisation, mixed precision, spatial partitioning: temporaries.
+# ----------------------------------------------------------------------------
+
+
+def activation_bound_vit_config():
+    """A ViT detector whose backbone activations dominate: 256 tokens per image, a narrow head."""
+    config = tensor_parallel_vit_config()
+    config.input.image_size = (256, 256)
+    config.model.fpn_features = 16
+    config.model.head_features = 16
+    config.model.head_convs = 1
+    config.global_batch_size = 2
+    return config
+
+
+def test_remat_trades_flops_for_temporaries():
+    config = activation_bound_vit_config()
+    baseline = plan_on(config, (1, 1, 1))
+    config.model.remat = "full"
+    remat = plan_on(config, (1, 1, 1))
+    assert remat.memory.temp_bytes < 0.8 * baseline.memory.temp_bytes, (remat.memory, baseline.memory)
+    assert remat.flops > baseline.flops  # the second forward pass
+    assert remat.params_bytes == baseline.params_bytes
+
+
+def test_bfloat16_computes_in_bfloat16_with_float32_parameters_and_outputs():
+    config = vitdet_tiny.get_config()
+    config.model.dtype = "bfloat16"
+    model = create_model(config.model, NUM_CLASSES, steps.num_anchors_per_location(config))
+    images = jnp.zeros((1, *config.input.image_size, 3))
+    variables = jax.eval_shape(lambda: model.init(jax.random.key(0), images))
+    assert {np.dtype(leaf.dtype) for leaf in jax.tree.leaves(flax.linen.meta.unbox(variables))} == {np.dtype("float32")}
+    outputs = jax.eval_shape(lambda v: model.apply(v, images), variables)
+    assert all(o.dtype == jnp.float32 for o in outputs)  # losses see float32 logits and deltas
+    program = jax.jit(lambda v: model.apply(v, images)).lower(variables).as_text()
+    matmuls = [line for line in program.splitlines()
+               if "stablehlo.convolution" in line or "stablehlo.dot_general" in line]
+    assert matmuls and all("bf16" in line.split("->")[-1] for line in matmuls), matmuls[:3]
+
+
+def spatial_config(image_size: int):
+    config = default.get_config()
+    config.sharding.spatial_partitioning = True
+    config.input.image_size = (image_size, image_size)
+    config.global_batch_size = 1
+    return config
+
+
+def test_spatial_partitioning_splits_conv_activations_over_model():
+    config = spatial_config(512)
+    whole = plan_on(config, (1, 1, 1))
+    split = plan_on(config, (1, 1, 2))
+    assert whole.memory.temp_bytes / split.memory.temp_bytes >= 1.6, (whole.memory, split.memory)
+    # Halo rows travel between the two halves of the image.
+    assert split.collective_summary["collective-permute"].count > 0
+
+
+# ----------------------------------------------------------------------------
+# Sharding changes placement, never results.
+# ----------------------------------------------------------------------------
+
+
+def random_batch(config, seed: int) -> dict[str, np.ndarray]:
+    """A global batch shaped like the pipeline's: a few random boxes per image."""
+    rng = np.random.default_rng(seed)
+    b, (h, w), m = config.global_batch_size, config.input.image_size, config.input.max_boxes
+    corners = rng.uniform(0, h * 0.6, size=(b, m, 2))
+    sizes = rng.uniform(h * 0.1, h * 0.4, size=(b, m, 2))
+    boxes = np.concatenate([corners, corners + sizes], axis=-1).astype(np.float32)
+    boxes_mask = np.arange(m)[None, :] < rng.integers(1, 4, size=(b, 1))
+    return {
+        "image": rng.normal(size=(b, h, w, 3)).astype(np.float32),
+        "boxes": np.where(boxes_mask[..., None], boxes, 0).astype(np.float32),
+        "labels": np.where(boxes_mask, rng.integers(0, NUM_CLASSES, size=(b, m)), -1).astype(np.int32),
+        "boxes_mask": boxes_mask,
+        "image_id": np.arange(b, dtype=np.int32),
+        "scale": np.ones((b,), np.float32),
+        "original_size": np.full((b, 2), h, np.int32),
+        "example_mask": np.ones((b,), bool),
+    }
+
+
+def train_steps(config, mesh_shape, initial_params, batches):
+    """Runs the AOT-compiled train step on `mesh_shape`; returns (metrics per step, final params, specs)."""
+    devices = jax.devices()[:math.prod(mesh_shape)]
+    mesh = sharding.create_mesh(dict(zip(sharding.MESH_AXES, mesh_shape)), devices)
+    rules = sharding.logical_rules(config.sharding)
+    model = create_model(config.model, NUM_CLASSES, steps.num_anchors_per_location(config))
+    tx, schedule = optim.create_optimizer(config.optimizer, config.total_steps)
+    batch_sharding = sharding.batch_sharding(mesh, sharding.batch_axes(mesh))
+    with jax.set_mesh(mesh), nn.logical_axis_rules(rules):
+        compiled, _, shardings = steps.compile_train_step(config, model, tx, schedule, num_classes=NUM_CLASSES,
+                                                          mesh=mesh, rules=rules)
+        params = jax.device_put(initial_params, shardings.params)
+        state = TrainState(step=jax.device_put(np.int32(0), shardings.step), params=params,
+                           opt_state=jax.jit(tx.init, out_shardings=shardings.opt_state)(params))
+        specs = describe_param_shardings(state.params)
+        metrics = []
+        for batch in batches:
+            state, step_metrics = compiled(state, jax.device_put(batch, batch_sharding))
+            metrics.append(jax.device_get(step_metrics))
+    return metrics, flax.traverse_util.flatten_dict(jax.device_get(state.params), sep="/"), specs
+
+
+def assert_same_training(config, mesh_shape, expected_axes):
+    """Three SGD steps on one device and on `mesh_shape` give the same losses and parameters.
+
+    SGD: Adam's first updates are +-lr whatever the gradient's size, which
+    would turn rounding-level gradient differences into lr-sized ones.
+    """
+    config.optimizer.name = "sgd"
+    config.optimizer.learning_rate = 0.05
+    config.optimizer.warmup_steps = 0
+    config.total_steps = 3
+    model = create_model(config.model, NUM_CLASSES, steps.num_anchors_per_location(config))
+    # Host copies: the compiled step donates its state, so every run needs its own device buffers.
+    initial = jax.device_get(flax.linen.meta.unbox(
+        jax.jit(lambda r: model.init(r, jnp.zeros((1, *config.input.image_size, 3))))(jax.random.key(0))["params"]))
+    batches = [random_batch(config, seed) for seed in range(3)]
+    reference_metrics, reference, _ = train_steps(config, (1, 1, 1), initial, batches)
+    metrics, params, specs = train_steps(config, mesh_shape, initial, batches)
+    for axis in expected_axes:  # the parameters really are split over these axes
+        assert any(f"'{axis}'" in spec for spec in specs.values()), specs
+    initial_flat = flax.traverse_util.flatten_dict(initial, sep="/")
+    for step, (expected, actual) in enumerate(zip(reference_metrics, metrics), start=1):
+        for key in ("loss", "cls_loss", "box_loss", "grad_norm"):
+            np.testing.assert_allclose(actual[key], expected[key], rtol=1e-4, err_msg=f"step {step} {key}")
+    for name, expected in reference.items():
+        np.testing.assert_allclose(params[name], expected, rtol=1e-4, atol=1e-5, err_msg=name)
+        # The update against its own size: a wrong gradient hides under the
+        # parameter's magnitude, not here.
+        expected_update = expected - initial_flat[name]
+        error = np.max(np.abs((params[name] - initial_flat[name]) - expected_update))
+        assert error <= 1e-3 * np.max(np.abs(expected_update)) + 1e-7, (name, error)
+
+
+def test_vit_detector_trains_identically_on_a_2x2x2_mesh():
+    config = vitdet_tiny.get_config()
+    config.global_batch_size = 4
+    assert_same_training(config, (2, 2, 2), expected_axes=("fsdp", "model"))
+
+
+def test_spatial_partitioning_trains_identically():
+    config = spatial_config(128)
+    config.global_batch_size = 4
+    assert_same_training(config, (2, 1, 2), expected_axes=())
+
+
+# ----------------------------------------------------------------------------
+# The planner.
+# ----------------------------------------------------------------------------
+
+
+def test_candidate_meshes_try_least_model_parallelism_first():
+    candidates = plan_lib.candidate_meshes(64, 64, max_model=8)
+    assert candidates[0] == (64, 1, 1)
+    assert candidates[1:3] == [(32, 2, 1), (32, 1, 2)]
+    assert all(d * f * m == 64 and m <= 8 for d, f, m in candidates)
+    # The batch must divide over data x fsdp: 4 images on 8 devices leave fsdp x model >= 2.
+    assert all(d * f <= 4 for d, f, _ in plan_lib.candidate_meshes(8, 4))
+
+
+def test_search_names_the_smallest_split_that_fits(vit_plans):
+    config = tensor_parallel_vit_config()
+    data_parallel = vit_plans((8, 1, 1))
+    limit = data_parallel.total_bytes - 1  # data parallelism alone just misses
+    tried = []
+    fitting = plan_lib.search_fitting_mesh(config, limit, tried=tried)
+    assert fitting is not None and fitting.fits(limit)
+    assert fitting.mesh_shape["fsdp"] * fitting.mesh_shape["model"] == 2
+    assert [p.mesh_shape for p in tried][0] == {"data": 8, "fsdp": 1, "model": 1}
+    table = plan_lib.format_table(tried, limit)
+    assert "| (8, 1, 1) |" in table and "| no |" in table and "| yes |" in table
+
+
+def test_plan_cli_prints_the_table_and_writes_json(tmp_path):
+    out = tmp_path / "plan.json"
+    result = subprocess.run(
+        [sys.executable, "-m", "sharding.plan", "--config=configs/vitdet_tiny.py", "--devices=2",
+         "--config.global_batch_size=2", "--device_memory_gb=80", f"--json={out}"],
+        capture_output=True, text=True, timeout=600, cwd=plan_lib.__file__.rsplit("/sharding/", 1)[0])
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "| (2, 1, 1) | 1 |" in result.stdout, result.stdout
+    assert "fits in 80 GB" in result.stdout
+    report = json.loads(out.read_text())
+    assert report["devices"] == 2 and report["fitting_mesh"] == {"data": 2, "fsdp": 1, "model": 1}
+    per_device = report["plans"][0]["per_device_bytes"]
+    assert per_device["total"] > per_device["params"] > 0
+    assert report["plans"][0]["collectives"]["all-reduce"]["count"] > 0
