@@ -13,7 +13,6 @@ input_pipeline benchmarks for that).
 
 from __future__ import annotations
 
-import os
 import sys
 
 from absl import app, flags
@@ -28,13 +27,11 @@ _NUM_CLASSES = flags.DEFINE_integer("num_classes", 4, "Classes of the detection 
 
 def _configure_devices(argv: list[str]) -> None:
     # Must happen before JAX initialises its backend, so it reads argv itself.
+    from detector import cli
+
     for arg in argv:
-        if arg.startswith("--devices="):
-            count = int(arg.split("=", 1)[1])
-            if count > 0:
-                os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "")
-                                           + f" --xla_force_host_platform_device_count={count}")
-                os.environ.setdefault("JAX_PLATFORMS", "cpu")
+        if arg.startswith("--devices=") and int(arg.split("=", 1)[1]) > 0:
+            cli.use_fake_cpu_devices(int(arg.split("=", 1)[1]))
 
 
 def main(argv: list[str]) -> None:

@@ -56,6 +56,17 @@ def _parse_flags(argv: Sequence[str]) -> list[str]:
         _fail(f"cannot load the config: {e}", EXIT_USAGE)
 
 
+def use_fake_cpu_devices(count: int) -> None:
+    """Makes JAX start on `count` CPU devices, e.g. to plan or benchmark a mesh on a laptop.
+
+    Must run before JAX initialises its backend (its first device query).
+    """
+    flags_kept = [f for f in os.environ.get("XLA_FLAGS", "").split()
+                  if not f.startswith("--xla_force_host_platform_device_count")]
+    os.environ["XLA_FLAGS"] = " ".join(flags_kept + [f"--xla_force_host_platform_device_count={count}"])
+    os.environ["JAX_PLATFORMS"] = "cpu"
+
+
 def use_fast_cpu_convolutions() -> None:
     """Routes XLA:CPU convolutions and matmuls through XNNPACK (must run before JAX starts).
 

@@ -22,7 +22,6 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import json
-import os
 import sys
 import time
 from typing import Any
@@ -220,16 +219,11 @@ def format_table(plans: list[StepPlan], limit_bytes: int | None = None) -> str:
 # ----------------------------------------------------------------------------
 
 
-def _use_fake_cpu_devices(count: int) -> None:
-    """Must run before JAX initialises its backend (the first device query)."""
-    flags = [f for f in os.environ.get("XLA_FLAGS", "").split() if "xla_force_host_platform_device_count" not in f]
-    os.environ["XLA_FLAGS"] = " ".join(flags + [f"--xla_force_host_platform_device_count={count}"])
-    os.environ["JAX_PLATFORMS"] = "cpu"
-
-
 def main(argv: list[str]) -> None:
     del argv
-    _use_fake_cpu_devices(_DEVICES.value)
+    from detector.cli import use_fake_cpu_devices
+
+    use_fake_cpu_devices(_DEVICES.value)
     import jax
 
     if len(jax.devices()) != _DEVICES.value:
