@@ -154,9 +154,9 @@ def _skip_blank(text: str, pos: int) -> int:
     return pos
 
 
-def _matching(text: str, pos: int, open_: str, close: str) -> int:
-    """Index of the bracket closing the one at `pos`, ignoring brackets inside quoted strings."""
-    depth, in_quote, i = 0, False, pos
+def _unquoted(text: str, pos: int = 0):
+    """Yields (index, char) of `text` from `pos`, skipping quoted strings (backend configs hold brackets)."""
+    in_quote, i = False, pos
     while i < len(text):
         ch = text[i]
         if in_quote:
@@ -166,13 +166,21 @@ def _matching(text: str, pos: int, open_: str, close: str) -> int:
                 in_quote = False
         elif ch == '"':
             in_quote = True
-        elif ch == open_:
+        else:
+            yield i, ch
+        i += 1
+
+
+def _matching(text: str, pos: int, open_: str, close: str) -> int:
+    """Index of the bracket closing the one at `pos`, ignoring brackets inside quoted strings."""
+    depth = 0
+    for i, ch in _unquoted(text, pos):
+        if ch == open_:
             depth += 1
         elif ch == close:
             depth -= 1
             if depth == 0:
                 return i
-        i += 1
     raise ValueError(f"unbalanced {open_!r} in HLO text: {text[pos:pos + 80]!r}")
 
 
@@ -238,24 +246,15 @@ _OPCODE_RE = re.compile(r"\s*([a-z][a-z0-9\-]*)\(")
 
 def _split_top(text: str) -> list[str]:
     """Splits at commas outside brackets and quoted strings."""
-    pieces, depth, in_quote, start, i = [], 0, False, 0, 0
-    while i < len(text):
-        ch = text[i]
-        if in_quote:
-            if ch == "\\":
-                i += 1
-            elif ch == '"':
-                in_quote = False
-        elif ch == '"':
-            in_quote = True
-        elif ch in "([{":
+    pieces, depth, start = [], 0, 0
+    for i, ch in _unquoted(text):
+        if ch in "([{":
             depth += 1
         elif ch in ")]}":
             depth -= 1
         elif ch == "," and depth == 0:
             pieces.append(text[start:i])
             start = i + 1
-        i += 1
     pieces.append(text[start:])
     return [p.strip() for p in pieces if p.strip()]
 

@@ -24,12 +24,13 @@ import pytest
 
 import sharding
 from configs import default, vitdet_tiny
-from detector import optim, steps
+from detector import steps
 from detector.retinanet import create_model
-from detector.train_state import TrainState, describe_param_shardings, state_shardings
+from detector.train_state import state_shardings
 from detector.vit import ViT
 from sharding import plan as plan_lib
 from sharding.collectives import parse_collectives
+from sharded_training import assert_same_training, train_on_mesh
 
 NUM_CLASSES = 4  # synthetic_shapes
 
@@ -236,29 +237,7 @@ def random_batch(config, seed: int) -> dict[str, np.ndarray]:
     }
 
 
-def train_steps(config, mesh_shape, initial_params, batches):
-    """Runs the AOT-compiled train step on `mesh_shape`; returns (metrics per step, final params, specs)."""
-    devices = jax.devices()[:math.prod(mesh_shape)]
-    mesh = sharding.create_mesh(dict(zip(sharding.MESH_AXES, mesh_shape)), devices)
-    rules = sharding.logical_rules(config.sharding)
-    model = create_model(config.model, NUM_CLASSES, steps.num_anchors_per_location(config))
-    tx, schedule = optim.create_optimizer(config.optimizer, config.total_steps)
-    batch_sharding = sharding.batch_sharding(mesh, sharding.batch_axes(mesh))
-    with jax.set_mesh(mesh), nn.logical_axis_rules(rules):
-        compiled, _, shardings = steps.compile_train_step(config, model, tx, schedule, num_classes=NUM_CLASSES,
-                                                          mesh=mesh, rules=rules)
-        params = jax.device_put(initial_params, shardings.params)
-        state = TrainState(step=jax.device_put(np.int32(0), shardings.step), params=params,
-                           opt_state=jax.jit(tx.init, out_shardings=shardings.opt_state)(params))
-        specs = describe_param_shardings(state.params)
-        metrics = []
-        for batch in batches:
-            state, step_metrics = compiled(state, jax.device_put(batch, batch_sharding))
-            metrics.append(jax.device_get(step_metrics))
-    return metrics, flax.traverse_util.flatten_dict(jax.device_get(state.params), sep="/"), specs
-
-
-def assert_same_training(config, mesh_shape, expected_axes):
+def check_sharded_training(config, mesh_shape, expected_axes):
     """Three SGD steps on one device and on `mesh_shape` give the same losses and parameters.
 
     SGD: Adam's first updates are +-lr whatever the gradient's size, which
@@ -269,37 +248,26 @@ def assert_same_training(config, mesh_shape, expected_axes):
     config.optimizer.warmup_steps = 0
     config.total_steps = 3
     model = create_model(config.model, NUM_CLASSES, steps.num_anchors_per_location(config))
-    # Host copies: the compiled step donates its state, so every run needs its own device buffers.
     initial = jax.device_get(flax.linen.meta.unbox(
         jax.jit(lambda r: model.init(r, jnp.zeros((1, *config.input.image_size, 3))))(jax.random.key(0))["params"]))
     batches = [random_batch(config, seed) for seed in range(3)]
-    reference_metrics, reference, _ = train_steps(config, (1, 1, 1), initial, batches)
-    metrics, params, specs = train_steps(config, mesh_shape, initial, batches)
+    reference = train_on_mesh(config, (1, 1, 1), initial, batches, NUM_CLASSES)
+    sharded = train_on_mesh(config, mesh_shape, initial, batches, NUM_CLASSES)
     for axis in expected_axes:  # the parameters really are split over these axes
-        assert any(f"'{axis}'" in spec for spec in specs.values()), specs
-    initial_flat = flax.traverse_util.flatten_dict(initial, sep="/")
-    for step, (expected, actual) in enumerate(zip(reference_metrics, metrics), start=1):
-        for key in ("loss", "cls_loss", "box_loss", "grad_norm"):
-            np.testing.assert_allclose(actual[key], expected[key], rtol=1e-4, err_msg=f"step {step} {key}")
-    for name, expected in reference.items():
-        np.testing.assert_allclose(params[name], expected, rtol=1e-4, atol=1e-5, err_msg=name)
-        # The update against its own size: a wrong gradient hides under the
-        # parameter's magnitude, not here.
-        expected_update = expected - initial_flat[name]
-        error = np.max(np.abs((params[name] - initial_flat[name]) - expected_update))
-        assert error <= 1e-3 * np.max(np.abs(expected_update)) + 1e-7, (name, error)
+        assert any(f"'{axis}'" in spec for spec in sharded.param_specs.values()), sharded.param_specs
+    assert_same_training(reference, sharded, flax.traverse_util.flatten_dict(initial, sep="/"))
 
 
 def test_vit_detector_trains_identically_on_a_2x2x2_mesh():
     config = vitdet_tiny.get_config()
     config.global_batch_size = 4
-    assert_same_training(config, (2, 2, 2), expected_axes=("fsdp", "model"))
+    check_sharded_training(config, (2, 2, 2), expected_axes=("fsdp", "model"))
 
 
 def test_spatial_partitioning_trains_identically():
     config = spatial_config(128)
     config.global_batch_size = 4
-    assert_same_training(config, (2, 1, 2), expected_axes=())
+    check_sharded_training(config, (2, 1, 2), expected_axes=())
 
 
 # ----------------------------------------------------------------------------

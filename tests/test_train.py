@@ -29,7 +29,8 @@ import sharding
 from configs import default
 from detector import checkpointing, optim, steps, train
 from detector.retinanet import create_model
-from detector.train_state import TrainState, describe_param_shardings, state_shardings
+from detector.train_state import describe_param_shardings, state_shardings
+from sharded_training import assert_same_training, train_on_mesh
 
 TRAIN_KEYS = {"step", "loss", "cls_loss", "box_loss", "learning_rate", "images_per_second"}
 EVAL_KEYS = {"step", "AP", "AP50", "AP75", "APs", "APm", "APl", "AR100"}
@@ -271,30 +272,10 @@ def sharding_comparison(reference_run, data_dir):
     initial_params = reference_state.params  # trained params: a realistic starting point, no init to compile
     batches_iter = input_pipeline.create_train_iterator(config)
     batches = [next(batches_iter) for _ in range(3)]
-    info = input_pipeline.get_dataset_info(config)
-    model = create_model(config.model, info.num_classes, steps.num_anchors_per_location(config))
+    num_classes = input_pipeline.get_dataset_info(config).num_classes
 
     def run(mesh_shape):
-        """Mirrors train.py: AOT-compiled step with explicit shardings, donated state."""
-        data, fsdp, model_axis = mesh_shape
-        devices = jax.devices()[:data * fsdp * model_axis]
-        mesh = sharding.create_mesh(dict(data=data, fsdp=fsdp, model=model_axis), devices=devices)
-        rules = sharding.logical_rules(config.sharding)
-        batch_axes = sharding.batch_axes(mesh)
-        tx, schedule = optim.create_optimizer(config.optimizer, config.total_steps)
-        with jax.set_mesh(mesh), nn.logical_axis_rules(rules):
-            compiled, _, shardings = steps.compile_train_step(config, model, tx, schedule, num_classes=info.num_classes,
-                                                              mesh=mesh, rules=rules)
-            params = jax.device_put(initial_params, shardings.params)
-            state = TrainState(step=jax.device_put(np.int32(0), shardings.step), params=params,
-                               opt_state=jax.jit(tx.init, out_shardings=shardings.opt_state)(params))
-        param_specs = describe_param_shardings(state.params)
-        step_metrics = []
-        for batch in batches:
-            state, metrics = compiled(state, input_pipeline.to_global_batch(batch, mesh, batch_axes))
-            step_metrics.append(jax.device_get(metrics))
-        return types.SimpleNamespace(metrics=step_metrics, params=flat(jax.device_get(state.params)),
-                                     param_specs=param_specs)
+        return train_on_mesh(config, mesh_shape, initial_params, batches, num_classes)
 
     return types.SimpleNamespace(run=run, reference=run((1, 1, 1)), initial=flat(initial_params))
 
@@ -329,16 +310,7 @@ def test_sharding_changes_placement_not_results(sharding_comparison, mesh_shape)
         if size > 1:  # the parameters really are partitioned over this axis
             assert any(f"'{axis}'" in spec for spec in kernels), sharded.param_specs
 
-    for step, (expected, actual) in enumerate(zip(reference.metrics, sharded.metrics), start=1):
-        for key in ("loss", "cls_loss", "box_loss", "grad_norm"):
-            np.testing.assert_allclose(actual[key], expected[key], rtol=1e-4, err_msg=f"step {step} {key}")
-    for name, expected in reference.params.items():
-        np.testing.assert_allclose(sharded.params[name], expected, rtol=1e-4, atol=1e-5, err_msg=name)
-        # The update itself, measured against its own size: a wrong gradient
-        # hides under the parameter's magnitude but not here.
-        expected_update = expected - initial[name]
-        error = np.max(np.abs((sharded.params[name] - initial[name]) - expected_update))
-        assert error <= 1e-3 * np.max(np.abs(expected_update)) + 1e-8, (name, error)
+    assert_same_training(reference, sharded, initial)
 
 
 @pytest.mark.parametrize("mesh_shape", [(4, 1, 2), (2, 4, 1)], ids=["data4_model2", "data2_fsdp4"])

@@ -1,0 +1,62 @@
+"""Test helper: a few train steps on a chosen mesh, exactly as the trainer runs them."""
+
+from __future__ import annotations
+
+import math
+import types
+
+import flax
+import flax.linen as nn
+import jax
+import numpy as np
+
+import input_pipeline
+import sharding
+from detector import optim, steps
+from detector.retinanet import create_model
+from detector.train_state import TrainState, describe_param_shardings
+
+
+def train_on_mesh(config, mesh_shape, initial_params, batches, num_classes: int) -> types.SimpleNamespace:
+    """Runs the AOT-compiled, state-donating train step from `initial_params` over `batches`.
+
+    Returns metrics (one dict per step), params (flat {'a/b/kernel': array})
+    and param_specs (flat {'a/b/kernel': 'PartitionSpec(...)'}).
+    """
+    devices = jax.devices()[:math.prod(mesh_shape)]
+    mesh = sharding.create_mesh(dict(zip(sharding.MESH_AXES, mesh_shape)), devices=devices)
+    rules = sharding.logical_rules(config.sharding)
+    model = create_model(config.model, num_classes, steps.num_anchors_per_location(config))
+    tx, schedule = optim.create_optimizer(config.optimizer, config.total_steps)
+    with jax.set_mesh(mesh), nn.logical_axis_rules(rules):
+        compiled, _, shardings = steps.compile_train_step(config, model, tx, schedule, num_classes=num_classes,
+                                                          mesh=mesh, rules=rules)
+        # From host copies: the step donates its state, so every run needs its own buffers.
+        params = jax.device_put(jax.device_get(initial_params), shardings.params)
+        state = TrainState(step=jax.device_put(np.int32(0), shardings.step), params=params,
+                           opt_state=jax.jit(tx.init, out_shardings=shardings.opt_state)(params))
+    param_specs = describe_param_shardings(state.params)
+    metrics = []
+    for batch in batches:
+        state, step_metrics = compiled(state, input_pipeline.to_global_batch(batch, mesh, sharding.batch_axes(mesh)))
+        metrics.append(jax.device_get(step_metrics))
+    params = flax.traverse_util.flatten_dict(jax.device_get(state.params), sep="/")
+    return types.SimpleNamespace(metrics=metrics, params=params, param_specs=param_specs)
+
+
+def assert_same_training(reference: types.SimpleNamespace, sharded: types.SimpleNamespace,
+                         initial_params: dict[str, np.ndarray]) -> None:
+    """Two `train_on_mesh` results agree: losses, gradient norms, parameters and each update.
+
+    `initial_params` is flat like the results' params. Updates are compared
+    against their own size: a wrong gradient hides under a parameter's
+    magnitude, not there.
+    """
+    for step, (expected, actual) in enumerate(zip(reference.metrics, sharded.metrics), start=1):
+        for key in ("loss", "cls_loss", "box_loss", "grad_norm"):
+            np.testing.assert_allclose(actual[key], expected[key], rtol=1e-4, err_msg=f"step {step} {key}")
+    for name, expected in reference.params.items():
+        np.testing.assert_allclose(sharded.params[name], expected, rtol=1e-4, atol=1e-5, err_msg=name)
+        expected_update = expected - initial_params[name]
+        error = np.max(np.abs((sharded.params[name] - initial_params[name]) - expected_update))
+        assert error <= 1e-3 * np.max(np.abs(expected_update)) + 1e-7, (name, error)
