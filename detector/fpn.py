@@ -17,7 +17,16 @@ def _upsample_to(x: jax.Array, height: int, width: int) -> jax.Array:
     return x[:, :height, :width, :]
 
 
-class FPN(nn.Module):
+class PyramidNeck(nn.Module):
+    """What every neck is: backbone features -> P{min_level}..P{max_level}, each `features` wide."""
+
+    features: int = 256
+    min_level: int = 3
+    max_level: int = 7
+    dtype: Any = jnp.float32
+
+
+class FPN(PyramidNeck):
     """Builds P{min_level}..P{max_level} from backbone features C2..C5.
 
     Levels above 5 are made by stride-2 3x3 convolutions on P5 (the
@@ -26,11 +35,6 @@ class FPN(nn.Module):
     Returns:
       dict {level: [B, ceil(H/2**level), ceil(W/2**level), features]}.
     """
-
-    features: int = 256
-    min_level: int = 3
-    max_level: int = 7
-    dtype: Any = jnp.float32
 
     @nn.compact
     def __call__(self, backbone_features: dict[int, jax.Array]) -> dict[int, jax.Array]:

@@ -26,7 +26,7 @@ import jax
 import jax.numpy as jnp
 
 from detector.errors import ConfigError
-from detector.fpn import add_extra_levels
+from detector.fpn import PyramidNeck, add_extra_levels
 from detector.layers import constrain_activation, conv, group_norm, rematerialized
 
 TOKEN_GRID_AXES = ("batch", "height", "width", "act_embed")
@@ -253,7 +253,7 @@ class ViT(nn.Module):
         return {4: _layer_norm(self.dtype, "norm")(x)}
 
 
-class SimpleFeaturePyramid(nn.Module):
+class SimpleFeaturePyramid(PyramidNeck):
     """P{min_level}..P{max_level} from one stride-16 map (ViTDet's simple pyramid).
 
     Levels below 4 come from 2x2 stride-2 transposed convolutions, level 4 is
@@ -264,11 +264,6 @@ class SimpleFeaturePyramid(nn.Module):
     Returns:
       dict {level: [B, H/2**level, W/2**level, features]}.
     """
-
-    features: int = 256
-    min_level: int = 3
-    max_level: int = 7
-    dtype: Any = jnp.float32
 
     @nn.compact
     def __call__(self, backbone_features: dict[int, jax.Array]) -> dict[int, jax.Array]:
