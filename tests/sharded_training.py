@@ -14,7 +14,10 @@ import input_pipeline
 import sharding
 from detector import optim, steps
 from detector.retinanet import create_model
+from configs import default
 from detector.train_state import TrainState, describe_param_shardings
+
+NUM_CLASSES = 4  # synthetic_shapes
 
 
 def train_on_mesh(config, mesh_shape, initial_params, batches, num_classes: int) -> types.SimpleNamespace:
@@ -60,3 +63,12 @@ def assert_same_training(reference: types.SimpleNamespace, sharded: types.Simple
         expected_update = expected - initial_params[name]
         error = np.max(np.abs((sharded.params[name] - initial_params[name]) - expected_update))
         assert error <= 1e-3 * np.max(np.abs(expected_update)) + 1e-7, (name, error)
+
+
+def spatial_config(image_size: int):
+    """The default conv detector with image height split over `model`, one image per step."""
+    config = default.get_config()
+    config.sharding.spatial_partitioning = True
+    config.input.image_size = (image_size, image_size)
+    config.global_batch_size = 1
+    return config
