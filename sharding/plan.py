@@ -166,20 +166,26 @@ def search_fitting_mesh(config, limit_bytes: int, devices=None, max_model: int =
                         tried: list[StepPlan] | None = None, max_candidates: int | None = None) -> StepPlan | None:
     """The first `candidate_meshes` split whose train step fits `limit_bytes`, or None.
 
-    Compiles at most `max_candidates` splits (each is a full compile) and
-    appends every plan it compiles to `tried`.
+    Considers at most `max_candidates` splits (each is a full compile). Plans
+    already in `tried` are reused, not recompiled; every new one is appended.
     """
     import jax
 
     devices = list(jax.devices() if devices is None else devices)
+    tried = [] if tried is None else tried
     candidates = candidate_meshes(len(devices), config.global_batch_size, max_model)
     for shape in candidates[:max_candidates]:
-        plan = plan_train_step(with_mesh_shape(config, shape), devices)
-        if tried is not None:
+        plan = next((p for p in tried if _shape(p) == shape), None)
+        if plan is None:
+            plan = plan_train_step(with_mesh_shape(config, shape), devices)
             tried.append(plan)
         if plan.fits(limit_bytes):
             return plan
     return None
+
+
+def _shape(plan: StepPlan) -> tuple[int, int, int]:
+    return tuple(plan.mesh_shape[a] for a in MESH_AXES)
 
 
 # ----------------------------------------------------------------------------
@@ -200,7 +206,7 @@ def format_table(plans: list[StepPlan], limit_bytes: int | None = None) -> str:
         header.append(f"fits {limit_bytes / GB:g} GB")
     rows = []
     for p in plans:
-        shape = tuple(p.mesh_shape[a] for a in MESH_AXES)
+        shape = _shape(p)
         per_device_batch = p.global_batch_size / (shape[0] * shape[1])
         row = [str(shape), f"{per_device_batch:g}", _gb(p.params_bytes), _gb(p.opt_state_bytes),
                _gb(p.batch_bytes), _gb(p.memory.temp_bytes), _gb(p.total_bytes), f"{p.flops / 1e12:.2f}"]
@@ -237,11 +243,8 @@ def main(argv: list[str]) -> None:
           f"model.remat={config.model.remat}")
     fitting = plans[0] if plans[0].fits(limit) else None
     if fitting is None and _SEARCH.value:
-        tried: list[StepPlan] = []
-        fitting = search_fitting_mesh(config, limit, max_model=_MAX_MODEL.value, tried=tried,
+        fitting = search_fitting_mesh(config, limit, max_model=_MAX_MODEL.value, tried=plans,
                                       max_candidates=_MAX_CANDIDATES.value)
-        configured = tuple(plans[0].mesh_shape[a] for a in MESH_AXES)
-        plans += [p for p in tried if tuple(p.mesh_shape[a] for a in MESH_AXES) != configured]
     print(format_table(plans, limit))
     configured = plans[0]
     verdict = "fits" if configured.fits(limit) else "does NOT fit"
@@ -251,7 +254,9 @@ def main(argv: list[str]) -> None:
         m = fitting.mesh_shape
         print(f"smallest split that fits: --config.mesh.data={m['data']} --config.mesh.fsdp={m['fsdp']} "
               f"--config.mesh.model={m['model']} ({_gb(fitting.total_bytes)} GB per device)")
-    elif fitting is None and not configured.fits(limit):
+    elif fitting is None and not _SEARCH.value:
+        print("not searching other splits (--nosearch)")
+    elif fitting is None:
         print(f"none of the {len(plans)} splits tried fits (--max_model={_MAX_MODEL.value}, "
               f"--max_candidates={_MAX_CANDIDATES.value}); set model.remat=full, use model.dtype=bfloat16, "
               "lower global_batch_size, or add devices")
