@@ -9,6 +9,9 @@ steps at 88.9% and 96.3%, bf16 compute with float32 parameters.
 
 python -m detector.train --config=configs/vitdet_b_coco.py --workdir=DIR \
     --config.dataset.data_dir=TFDS_DIR --config.mesh.fsdp=8
+
+ViT-S (width 384, 6 heads) is the same recipe with
+--config.model.backbone.embed_dim=384 --config.model.backbone.num_heads=6.
 """
 
 import ml_collections
