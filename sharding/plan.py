@@ -227,7 +227,13 @@ def format_table(plans: list[StepPlan], limit_bytes: int | None = None) -> str:
 
 def main(argv: list[str]) -> None:
     del argv
+    import os
+
     from detector.cli import use_fake_cpu_devices
+
+    # Checked before minutes of compiling, not after.
+    if _JSON.value and not os.path.isdir(os.path.dirname(os.path.abspath(_JSON.value))):
+        raise FileNotFoundError(f"--json={_JSON.value}: its directory does not exist; create it or pick another path")
 
     use_fake_cpu_devices(_DEVICES.value)
     import jax
@@ -273,11 +279,13 @@ if __name__ == "__main__":
     from ml_collections import config_flags
 
     _CONFIG = config_flags.DEFINE_config_file("config", None, "Config file (configs/X.py).", lock_config=True)
-    _DEVICES = flags.DEFINE_integer("devices", 8, "Target number of devices (simulated on the CPU).")
+    _DEVICES = flags.DEFINE_integer("devices", 8, "Target number of devices (simulated on the CPU).",
+                                    lower_bound=1)
     _DEVICE_MEMORY_GB = flags.DEFINE_float("device_memory_gb", 80.0, "Memory per device, in GB (10^9 bytes).")
     _SEARCH = flags.DEFINE_bool("search", True, "When the configured mesh does not fit, search fsdp/model splits.")
     _MAX_MODEL = flags.DEFINE_integer("max_model", 8, "Largest `model` axis the search tries (devices per host).")
-    _MAX_CANDIDATES = flags.DEFINE_integer("max_candidates", 8, "Most splits the search compiles.")
+    _MAX_CANDIDATES = flags.DEFINE_integer("max_candidates", 8, "Most splits the search compiles.",
+                                           lower_bound=1)
     _JSON = flags.DEFINE_string("json", None, "Also write the plans as JSON to this path.")
     _CONFIG_PATH = lambda: flags.FLAGS["config"].config_filename  # noqa: E731
     flags.mark_flags_as_required(["config"])

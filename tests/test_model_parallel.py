@@ -242,3 +242,17 @@ def test_plan_cli_prints_the_table_and_writes_json(tmp_path):
     per_device = report["plans"][0]["per_device_bytes"]
     assert per_device["total"] > per_device["params"] > 0
     assert report["plans"][0]["collectives"]["all-reduce"]["count"] > 0
+
+
+@pytest.mark.parametrize("flag, message", [
+    ("--devices=0", "--devices=0: 0 is not a positive integer"),
+    ("--json=/nonexistent/dir/plan.json", "its directory does not exist"),
+    ("--config.mesh.fsdp=3", "cannot fill 8 devices"),
+])
+def test_plan_cli_rejects_bad_input_in_one_line(flag, message):
+    result = subprocess.run(
+        [sys.executable, "-m", "sharding.plan", "--config=configs/vitdet_tiny.py", "--devices=8", flag],
+        capture_output=True, text=True, timeout=300, cwd=plan_lib.__file__.rsplit("/sharding/", 1)[0])
+    assert result.returncode != 0
+    errors = [line for line in result.stderr.splitlines() if line.startswith("error:")]
+    assert len(errors) == 1 and message in errors[0], result.stderr[-2000:]

@@ -45,12 +45,7 @@ def make_config(data_dir, **overrides):
           "min_box_size": 2.0,
       },
   })
-  for key, value in overrides.items():
-    node = config
-    *path, leaf = key.split(".")
-    for p in path:
-      node = node[p]
-    node[leaf] = value
+  config.update_from_flattened_dict(overrides)
   return config
 
 

@@ -57,12 +57,7 @@ def make_config(data_dir, **overrides):
     config.checkpoint_every_steps = 2
     config.eval_every_steps = 4
     config.lock()  # A misspelt override below fails instead of adding a key nobody reads.
-    for key, value in overrides.items():
-        *parents, leaf = key.split(".")
-        node = config
-        for name in parents:
-            node = node[name]
-        node[leaf] = value
+    config.update_from_flattened_dict(overrides)
     return config
 
 
