@@ -55,10 +55,22 @@ def get_config() -> ml_collections.ConfigDict:
     config.sharding.spatial_partitioning = False
 
     config.dataset = ml_collections.ConfigDict()
+    # synthetic_shapes (generated here), coco_json (a COCO-format folder),
+    # coco/2017, voc/2007 or voc/2012 (TFDS, prepared in data_dir).
     config.dataset.name = "synthetic_shapes"
     config.dataset.data_dir = ml_collections.FieldReference(None, field_type=str)
-    config.dataset.train_split = "train"
+    # Where sources are converted once to random-access records; None: DATA_DIR/prepared.
+    config.dataset.cache_dir = ml_collections.FieldReference(None, field_type=str)
+    config.dataset.train_split = "train"  # TFDS split names
     config.dataset.eval_split = "validation"
+    # coco_json: instances JSON and image root of each split.
+    config.dataset.train_json = ml_collections.FieldReference(None, field_type=str)
+    config.dataset.train_images = ml_collections.FieldReference(None, field_type=str)
+    config.dataset.eval_json = ml_collections.FieldReference(None, field_type=str)
+    config.dataset.eval_images = ml_collections.FieldReference(None, field_type=str)
+    # Train on images without objects too (negatives), as detectron2 does by default.
+    config.dataset.include_negatives = True
+    # synthetic_shapes sizes.
     config.dataset.num_train_examples = 4096
     config.dataset.num_eval_examples = 256
     config.dataset.image_size = 128
@@ -71,7 +83,12 @@ def get_config() -> ml_collections.ConfigDict:
     config.input.mean_rgb = (123.675, 116.28, 103.53)
     config.input.std_rgb = (58.395, 57.12, 57.375)
     config.input.min_box_size = 2.0
-    config.input.shuffle_buffer = 1024
+    # Boxes the crop leaves less than this fraction of are dropped.
+    config.input.min_visible_fraction = 0.0
+    config.input.color_jitter = 0.0  # strength 0-1 of brightness/contrast/saturation jitter
+    # Stop instead of training on what is left when more than this fraction of
+    # the images cannot be used.
+    config.input.max_bad_fraction = 0.5
     config.input.prefetch = 2
 
     config.model = ml_collections.ConfigDict()

@@ -25,7 +25,6 @@ def get_config() -> ml_collections.ConfigDict:
     config.input.image_size = (1024, 1024)
     config.input.max_boxes = 100
     config.input.scale_jitter = (0.8, 1.25)
-    config.input.shuffle_buffer = 4096
     config.input.prefetch = 4
 
     config.model.backbone.stage_sizes = (3, 4, 6, 3)

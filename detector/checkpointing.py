@@ -70,3 +70,14 @@ def restore_latest(manager: ocp.CheckpointManager,
     )
     logging.info("checkpoint: restored step %d from %s", step, manager.directory)
     return restored[STATE_ITEM], dict(restored[METADATA_ITEM] or {})
+
+
+def input_position(metadata: dict[str, Any], step: int, global_batch_size: int) -> int:
+    """Examples of the input stream consumed by the checkpointed run (where to resume reading).
+
+    Checkpoints record it as `input_position`; older ones only their step, which
+    at a fixed global batch size means step * global_batch_size.
+    """
+    if "input_position" in metadata:
+        return int(metadata["input_position"])
+    return int(step) * int(global_batch_size)

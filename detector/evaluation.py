@@ -55,8 +55,17 @@ def detections_to_coco(outputs: Mapping[str, np.ndarray],
     return results
 
 
-def coco_metrics(ground_truth: dict[str, Any], results: list[dict[str, Any]]) -> dict[str, float]:
-    """pycocotools bbox metrics (0-1; -1 where a size range has no ground truth)."""
+def coco_metrics(ground_truth: dict[str, Any], results: list[dict[str, Any]],
+                 image_ids: Sequence[int] | None = None) -> dict[str, float]:
+    """pycocotools bbox metrics (0-1; -1 where a size range has no ground truth).
+
+    Args:
+      ground_truth: COCO-format dict.
+      results: COCO detections (`detections_to_coco`).
+      image_ids: the images that were evaluated (default: all of the ground
+        truth's); images the pipeline could not read are left out this way
+        instead of counting their objects as missed.
+    """
     if not results:
         return {name: 0.0 for name in COCO_METRIC_NAMES}
     with contextlib.redirect_stdout(io.StringIO()):  # pycocotools prints progress
@@ -65,6 +74,8 @@ def coco_metrics(ground_truth: dict[str, Any], results: list[dict[str, Any]]) ->
         gt.createIndex()
         dt = gt.loadRes(results)
         evaluator = COCOeval(gt, dt, iouType="bbox")
+        if image_ids is not None:
+            evaluator.params.imgIds = sorted({int(i) for i in image_ids})
         evaluator.evaluate()
         evaluator.accumulate()
         evaluator.summarize()
@@ -85,16 +96,16 @@ def evaluate(predict: Callable[[Any, dict[str, jax.Array]], dict[str, jax.Array]
     """
     start = time.perf_counter()
     results: list[dict[str, Any]] = []
-    num_images = 0
+    image_ids: list[int] = []
     for batch in global_batches:
         outputs = predict(params, batch)
         # Every process takes part in the gather; only process 0 needs the result.
         outputs = multihost_utils.process_allgather(outputs, tiled=True)
         if jax.process_index() == 0:
-            num_images += int(np.sum(outputs["example_mask"]))
+            image_ids.extend(int(i) for i in outputs["image_id"][outputs["example_mask"]])
             results.extend(detections_to_coco(outputs, label_to_category_id))
     if jax.process_index() != 0:
         return None
-    metrics = coco_metrics(ground_truth, results)
-    logging.info("eval: %d images, %d detections, %.1fs", num_images, len(results), time.perf_counter() - start)
+    metrics = coco_metrics(ground_truth, results, image_ids)
+    logging.info("eval: %d images, %d detections, %.1fs", len(image_ids), len(results), time.perf_counter() - start)
     return metrics

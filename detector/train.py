@@ -23,6 +23,7 @@ import ml_collections
 import numpy as np
 from absl import flags, logging
 from etils import epath
+from jax.experimental import multihost_utils
 from ml_collections import config_flags
 
 import input_pipeline
@@ -77,6 +78,7 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict[
     # Data description, model, optimizer.
     # ------------------------------------------------------------------------
     dataset_info = input_pipeline.get_dataset_info(config)
+    data_report = _DataReport(config, workdir_path, enabled=is_primary)
     num_anchors = steps.num_anchors_per_location(config)
     model = create_model(config.model, dataset_info.num_classes, num_anchors)
     tx, schedule = optim.create_optimizer(config.optimizer, config.total_steps)
@@ -119,28 +121,33 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict[
     restored = checkpointing.restore_latest(manager, abstract_state)
     if restored is None:
         state = init_train_state(model, tx, image_size, state_shardings_tree, jax.random.key(config.seed))
-        start_step = 0
+        start_step, start_position = 0, 0
     else:
-        state, _ = restored
+        state, metadata = restored
         start_step = int(jax.device_get(state.step))
-        logging.info("resuming from step %d", start_step)
+        start_position = checkpointing.input_position(metadata, start_step, config.global_batch_size)
+        logging.info("resuming from step %d at input position %d", start_step, start_position)
 
     # ------------------------------------------------------------------------
     # Input pipelines.
     # ------------------------------------------------------------------------
-    # A resumed run skips the batches already trained on (without decoding
-    # them), so it sees exactly the stream an uninterrupted run would.
-    train_iter = input_pipeline.create_train_iterator(config, start_step=start_step)
+    # The stream is a function of (seed, position): a resumed run starts at the
+    # checkpoint's position and sees exactly what an uninterrupted run would.
+    # Each process reads only the rows of every global batch its devices hold.
+    first_row = input_pipeline.process_rows(batch_sharding, config.global_batch_size)
+    train_iter = input_pipeline.create_train_iterator(config, start_position=start_position, first_row=first_row)
     eval_config = _with_batch_size(config, config.eval_batch_size)
     ground_truth = input_pipeline.coco_ground_truth(config) if is_primary else None
     writer = MetricWriter(workdir, enabled=is_primary)
 
     def run_eval(step: int) -> dict[str, float] | None:
-        eval_batches = input_pipeline.create_eval_iterator(eval_config).batches
-        global_batches = (input_pipeline.to_global_batch(b, mesh, batch_axes) for b in eval_batches)
+        eval_iter = input_pipeline.create_eval_iterator(
+            eval_config, first_row=input_pipeline.process_rows(batch_sharding, config.eval_batch_size))
+        global_batches = (input_pipeline.to_global_batch(b, mesh, batch_axes) for b in eval_iter.batches)
         metrics = evaluation.evaluate(compiled_predict, state.params, global_batches,
                                       ground_truth=ground_truth,
                                       label_to_category_id=dataset_info.label_to_category_id)
+        data_report.update("eval", eval_iter.input_counts)
         if metrics is not None:
             summary = {k: metrics[k] for k in ("AP", "AP50", "AP75", "APs", "APm", "APl", "AR100")}
             logging.info("eval step %d: %s", step, " ".join(f"{k} {v:.3f}" for k, v in summary.items()))
@@ -181,11 +188,12 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict[
                 if not math.isfinite(summary["loss"]):
                     logging.warning("non-finite loss at step %d", step)
                 writer.write_train(step, summary)
+                data_report.update("train", train_iter.input_counts)
                 pending.clear()
                 window_start, window_wait, window_steps = time.perf_counter(), 0.0, 0
 
             if step % config.checkpoint_every_steps == 0 or step == total_steps:
-                checkpointing.save(manager, step, state, {"step": step, "batches_consumed": step})
+                checkpointing.save(manager, step, state, {"step": step, "input_position": train_iter.position})
             if step % config.eval_every_steps == 0 or step == total_steps:
                 last_metrics = run_eval(step)
                 window_start = time.perf_counter()  # eval time is not training throughput
@@ -201,6 +209,45 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict[
     if is_primary and last_metrics is not None:
         logging.info("final COCO metrics: %s", json.dumps({k: round(v, 4) for k, v in last_metrics.items()}))
     return last_metrics
+
+
+class _DataReport:
+    """What the input pipeline skipped, converted, clipped or masked: logged and kept in WORKDIR/data_report.json.
+
+    Conversion counts come from the prepared splits (the same on every host);
+    streaming counts (undecodable images masked, boxes cut at max_boxes) are
+    summed over processes, so every process must call `update` together.
+    """
+
+    def __init__(self, config: ml_collections.ConfigDict, workdir: epath.Path, *, enabled: bool):
+        self._path = workdir / "data_report.json"
+        self._enabled = enabled
+        self._report = {"dataset": config.dataset.name}
+        for which in ("train", "eval"):
+            split = input_pipeline.prepare_split(config, which)
+            counts = dict(sorted(split.counts.items()))
+            self._report[which] = {"prepared_split": split.directory, "records": split.num_records,
+                                   "conversion": counts, "streaming": {}}
+            problems = {k: v for k, v in counts.items()
+                        if v and k not in ("images", "usable_images", "annotations")}
+            logging.info("%s data: %d usable of %d images; %s", which, split.num_records,
+                         counts.get("images", split.num_records), problems or "no problems found")
+        self._write()
+
+    def update(self, which: str, input_counts: input_pipeline.InputCounts) -> None:
+        keys = sorted(input_counts.counts)
+        local = np.array([input_counts.examples] + [input_counts.counts[k] for k in keys], np.int64)
+        # Same keys on every process (the pipeline's REPORT_KEYS): sum over hosts.
+        total = np.asarray(multihost_utils.process_allgather(local)).reshape(-1, local.size).sum(axis=0)
+        streaming = {"examples": int(total[0]), **{k: int(v) for k, v in zip(keys, total[1:])}}
+        if any(streaming[k] for k in keys) and streaming != self._report[which]["streaming"]:
+            logging.warning("%s input: %s", which, streaming)
+        self._report[which]["streaming"] = streaming
+        self._write()
+
+    def _write(self) -> None:
+        if self._enabled:
+            self._path.write_text(json.dumps(self._report, indent=2))
 
 
 class _QuietLibraries(pylogging.Filter):

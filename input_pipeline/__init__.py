@@ -1,32 +1,44 @@
 """Per-host input pipelines: datasets, box-aware transforms, global batches.
 
 Public API:
-  create_train_iterator(config, *, start_step=0) -> Iterator[dict]
-  create_eval_iterator(config) -> EvalIterator(batches, num_batches)
+  create_train_iterator(config, *, start_position=0, first_row=None)
+      -> TrainIterator (numpy batches, .position, .input_counts)
+  create_eval_iterator(config, *, first_row=None)
+      -> EvalIterator(batches, num_batches, input_counts)
   coco_ground_truth(config) -> COCO-format dict of the eval split
   to_global_batch(local_batch, mesh, batch_axes) -> dict of jax.Array
+  process_rows(sharding, global_batch_size) -> first row this process holds
   get_dataset_info(config) -> DatasetInfo
-  DatasetError: raised for unusable dataset configs.
+  prepare_split(config, 'train' | 'eval') -> PreparedSplit (with counts)
+  DatasetError: raised for unusable datasets and configs.
 """
 
-from input_pipeline.datasets import DatasetError
+from input_pipeline.dataset_errors import DatasetError
 from input_pipeline.datasets import DatasetInfo
+from input_pipeline.datasets import eval_ground_truth as coco_ground_truth
 from input_pipeline.datasets import get_dataset_info
+from input_pipeline.datasets import prepare_split
+from input_pipeline.global_batch import process_rows
 from input_pipeline.global_batch import to_global_batch
-from input_pipeline.pipeline import coco_ground_truth
 from input_pipeline.pipeline import create_eval_iterator
 from input_pipeline.pipeline import create_train_iterator
 from input_pipeline.pipeline import EvalIterator
+from input_pipeline.pipeline import InputCounts
 from input_pipeline.pipeline import local_batch_size
+from input_pipeline.pipeline import TrainIterator
 
 __all__ = [
     "DatasetError",
     "DatasetInfo",
     "EvalIterator",
+    "InputCounts",
+    "TrainIterator",
     "coco_ground_truth",
     "create_eval_iterator",
     "create_train_iterator",
     "get_dataset_info",
     "local_batch_size",
+    "prepare_split",
+    "process_rows",
     "to_global_batch",
 ]

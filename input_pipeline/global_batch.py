@@ -39,3 +39,25 @@ def to_global_batch(local_batch: dict[str, Any], mesh: Mesh,
     return jax.make_array_from_process_local_data(sharding, x)
 
   return jax.tree.map(put, local_batch)
+
+
+def process_rows(sharding: NamedSharding, global_batch_size: int) -> int:
+  """First row of every global batch that this process's devices hold.
+
+  The input pipeline reads exactly those rows, so a process must hold one
+  contiguous block of them (true for meshes built by `sharding.create_mesh`,
+  whose device order groups each host's devices).
+
+  Raises:
+    ValueError: the process's rows are not one contiguous block.
+  """
+  rows = set()
+  for index in sharding.addressable_devices_indices_map((global_batch_size,)).values():
+    rows.update(range(*index[0].indices(global_batch_size)))
+  first, count = min(rows), len(rows)
+  if rows != set(range(first, first + count)):
+    raise ValueError(
+        f"process {jax.process_index()} holds rows {sorted(rows)} of the "
+        "global batch, not one contiguous block; build the mesh with "
+        "sharding.create_mesh so each host's devices are adjacent")
+  return first

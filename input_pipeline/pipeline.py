@@ -5,25 +5,34 @@ Every batch is a dict of numpy arrays, b = global_batch_size // process_count:
   boxes          float32 [b, max_boxes, 4]  y0, x0, y1, x1 network-input px
   labels         int32   [b, max_boxes]  contiguous labels, -1 = padding
   boxes_mask     bool    [b, max_boxes]
-  image_id       int32   [b]             -1 for eval padding examples
+  image_id       int32   [b]             -1 for padding / undecodable images
   scale          float32 [b]             network px per original px
   original_size  int32   [b, 2]          (h, w) of the original image
-  example_mask   bool    [b]             False only for eval padding
+  example_mask   bool    [b]             False for eval padding and for
+                                         images that failed to decode
 
-Each process reads only its own shard of the split
-(`tfds.split_for_jax_process`). Training randomness is stateless and seeded
-from (config.seed, position of the example in the global stream), so a given
-seed and process count always give the same batches.
+The order is global: example `p` of the training stream (p = 0, 1, ...) is
+record `train_ids[shuffle(p mod N; seed, epoch = p div N)]`, a stateless
+permutation of the whole split per epoch, and its random augmentation is
+seeded by (seed, p). Global batch t holds positions t*G .. t*G + G - 1 and a
+process reads only the rows of it that its devices hold. So the sequence of
+global batches is a function of (seed, position) alone, the same for any
+number of processes, and a run resumed at position t*G continues exactly
+where it stopped.
 
-Config keys read: seed, global_batch_size, dataset.{name, data_dir,
-train_split, eval_split, num_train_examples, num_eval_examples, image_size},
+An image that fails to decode (corrupt or truncated file) becomes a masked
+example (example_mask False, no boxes) in its slot, so batches keep their
+composition; the iterators count these and boxes cut at max_boxes.
+
+Config keys read: seed, global_batch_size, dataset.* (see datasets),
 input.{image_size, max_boxes, scale_jitter, horizontal_flip, mean_rgb,
-std_rgb, shuffle_buffer, prefetch, min_box_size}; optional
-input.num_threads (tf.data thread pool size per process).
+std_rgb, prefetch, min_box_size, min_visible_fraction, color_jitter,
+max_bad_fraction, num_threads}; dataset.include_negatives.
 """
 
 from __future__ import annotations
 
+import collections
 import math
 import os
 from typing import Iterator, NamedTuple
@@ -31,13 +40,19 @@ from typing import Iterator, NamedTuple
 import jax
 import numpy as np
 import tensorflow as tf
-import tensorflow_datasets as tfds
 
 from input_pipeline import datasets
+from input_pipeline import records
 from input_pipeline import transforms
-from input_pipeline.datasets import DatasetError
+from input_pipeline.dataset_errors import DatasetError
 
 Batch = dict[str, np.ndarray]
+# Per-example flags the pipeline emits for accounting; the iterators take
+# them out of the batches they yield and count them.
+REPORT_KEYS = ("decode_failed", "boxes_truncated")
+# Streaming checks start once this many examples were seen, so a few bad
+# files at the start of an epoch do not stop a run.
+_MIN_EXAMPLES_FOR_BAD_CHECK = 256
 
 
 def local_batch_size(config, process_count: int | None = None) -> int:
@@ -52,17 +67,6 @@ def local_batch_size(config, process_count: int | None = None) -> int:
   return global_batch // process_count
 
 
-def _setup(config, process_index, process_count):
-  """TF setup plus what both pipelines need: this process, its batch, transforms, decoder."""
-  datasets.configure_tf()
-  if process_index is None:
-    process_index = jax.process_index()
-  if process_count is None:
-    process_count = jax.process_count()
-  return (process_index, process_count, local_batch_size(config, process_count),
-          transforms.TransformOptions.from_config(config), datasets.get_decoder(config))
-
-
 def _options(config) -> tf.data.Options:
   options = tf.data.Options()
   # A private pool bounds how many cores tf.data takes from the trainer.
@@ -74,107 +78,271 @@ def _options(config) -> tf.data.Options:
   return options
 
 
-def _read(config, split: str, *, shuffle_files: bool) -> tf.data.Dataset:
-  builder = datasets.get_builder(config)
-  read_config = tfds.ReadConfig(
-      shuffle_seed=int(config.seed) if shuffle_files else None,
-      # An endless training stream is rarely read to the end of an epoch
-      # before it is dropped, which discards TFDS's in-memory cache (with a
-      # warning); the OS page cache serves small datasets just as well.
-      try_autocache=not shuffle_files)
-  try:
-    # Images are decoded in the transform, after any skipping.
-    return builder.as_dataset(
-        split=split, shuffle_files=shuffle_files, read_config=read_config,
-        decoders={"image": tfds.decode.SkipDecoding()})
-  except (KeyError, ValueError) as e:
-    raise DatasetError(
-        f"cannot read split {split!r} of {config.dataset.name}: {e}") from e
+def _rows(config, first_row: int | None, process_count: int | None
+          ) -> tuple[int, int]:
+  """(first global row of this process's part of a batch, rows per process)."""
+  batch = local_batch_size(config, process_count)
+  if first_row is None:
+    first_row = jax.process_index() * batch
+  if not 0 <= first_row <= int(config.global_batch_size) - batch:
+    raise ValueError(f"first_row {first_row} outside a global batch of "
+                     f"{config.global_batch_size} with {batch} rows per process")
+  return int(first_row), batch
 
 
-def train_dataset(config, *, start_step: int = 0,
-                  process_index: int | None = None,
-                  process_count: int | None = None) -> tf.data.Dataset:
-  """Infinite tf.data.Dataset of local training batches (see module doc).
+def _local_positions(start_position: int, global_batch: int, first_row: int,
+                     batch: int, num_batches: int | None) -> tf.data.Dataset:
+  """int64 positions this process reads, batch after batch (endless if None)."""
+  steps = tf.data.Dataset.range(num_batches if num_batches is not None else 2**62)
+  offsets = tf.range(batch, dtype=tf.int64)
+  return steps.map(lambda t: start_position + t * global_batch + first_row + offsets)
 
-  Args:
-    config: the trainer config.
-    start_step: number of local batches to skip (resuming a run). The
-      skipped records are read and shuffled but not decoded or transformed,
-      so resuming costs about one pass over start_step * b records.
-    process_index, process_count: default to jax's; settable for tests.
+
+def _read_records(reader: "datasets.cache.RecordReader", record_ids: tf.Tensor
+                  ) -> tf.Tensor:
+  """string [n]: serialized records for int64 [n] ids; b'' where id < 0."""
+
+  def read(ids):
+    out = np.full(ids.shape, b"", dtype=object)
+    valid = ids >= 0
+    if valid.any():
+      out[valid] = reader.read(ids[valid])
+    return out
+
+  serialized = tf.numpy_function(read, [record_ids], tf.string, stateful=False)
+  return tf.ensure_shape(serialized, record_ids.shape)
+
+
+def _masked_example(opts: transforms.TransformOptions, decode_failed) -> dict:
+  """An empty, masked example in the pipeline's output layout."""
+  h, w = opts.image_size
+  return {
+      "image": tf.zeros([h, w, 3], tf.float32),
+      "boxes": tf.zeros([opts.max_boxes, 4], tf.float32),
+      "labels": -tf.ones([opts.max_boxes], tf.int32),
+      "boxes_mask": tf.zeros([opts.max_boxes], tf.bool),
+      "image_id": tf.constant(-1, tf.int32),
+      "scale": tf.constant(1.0, tf.float32),  # Safe to divide by.
+      "original_size": tf.zeros([2], tf.int32),
+      "example_mask": tf.constant(False),
+      "boxes_truncated": tf.constant(False),
+      "decode_failed": tf.cast(decode_failed, tf.bool),
+  }
+
+
+def _decode(serialized: tf.Tensor) -> dict:
+  """Record -> transforms' input (image uint8 [h, w, 3], boxes, labels, image_id).
+
+  Crowd / ignore regions are no training targets: they are dropped here
+  (evaluation reads them from the ground truth instead).
   """
-  process_index, process_count, batch, opts, decode = _setup(config, process_index, process_count)
-  split = tfds.split_for_jax_process(
-      config.dataset.train_split, process_index=process_index,
-      process_count=process_count, drop_remainder=True)
-  seed = int(config.seed)
+  ex = records.parse(serialized)
+  image = tf.io.decode_image(ex["image"], channels=3, dtype=tf.uint8,
+                             expand_animations=False)
+  keep = tf.logical_not(ex["is_crowd"])
+  return {
+      "image": tf.ensure_shape(image, [None, None, 3]),
+      "boxes": tf.boolean_mask(ex["boxes"], keep),
+      "labels": tf.boolean_mask(ex["labels"], keep),
+      "image_id": tf.cast(ex["image_id"], tf.int32),
+  }
 
-  ds = _read(config, split, shuffle_files=True)
-  ds = ds.shuffle(int(config.input.shuffle_buffer), seed=seed,
-                  reshuffle_each_iteration=True)
-  ds = ds.repeat()
-  ds = ds.enumerate()  # Position of each example in this process's stream.
-  if start_step:
-    ds = ds.skip(int(start_step) * batch)
 
-  def transform(position, example):
-    # Position in the global stream: processes interleave example by example.
-    global_position = position * process_count + process_index
-    example_seed = tf.stack([tf.constant(seed, tf.int64), global_position])
-    return transforms.train_transform(decode(example), example_seed, opts)
+def _guarded(transform, opts: transforms.TransformOptions):
+  """Per-example decode + transform that turns a failure into a masked example.
 
-  ds = ds.map(transform, num_parallel_calls=tf.data.AUTOTUNE)
+  tf.data cannot catch an op error inside a map function, but a one-element
+  dataset with ignore_errors() can: it yields the result, or nothing and the
+  fallback that follows it. Slots never move, so batches keep their rows.
+  """
+
+  def process(position, record_id, serialized):
+    def run(position, record_id, serialized):
+      tf.debugging.assert_non_negative(record_id)  # Padding takes the fallback.
+      out = transform(_decode(serialized), position)
+      out["decode_failed"] = tf.constant(False)
+      return out
+
+    args = (position, record_id, serialized)
+    good = tf.data.Dataset.from_tensors(args).map(run).ignore_errors()
+    fallback = tf.data.Dataset.from_tensors(record_id).map(
+        lambda rid: _masked_example(opts, decode_failed=rid >= 0))
+    return good.concatenate(fallback).take(1)
+
+  return process
+
+
+def _build(config, positions: tf.data.Dataset, record_of_position, reader,
+           transform, batch: int) -> tf.data.Dataset:
+  opts = transforms.TransformOptions.from_config(config)
+
+  def read(positions):
+    record_ids = record_of_position(positions)
+    return positions, record_ids, _read_records(reader, record_ids)
+
+  ds = positions.map(read, num_parallel_calls=tf.data.AUTOTUNE)
+  ds = ds.unbatch()
+  ds = ds.interleave(
+      lambda p, r, s: _guarded(transform, opts)(p, r, s),
+      cycle_length=max(2, int(_options(config).threading.private_threadpool_size)),
+      num_parallel_calls=tf.data.AUTOTUNE, deterministic=True)
   ds = ds.batch(batch, drop_remainder=True)
   ds = ds.prefetch(int(config.input.prefetch))
   return ds.with_options(_options(config))
 
 
-def create_train_iterator(config, *, start_step: int = 0) -> Iterator[Batch]:
+def training_record_ids(config, split: "datasets.cache.PreparedSplit") -> np.ndarray:
+  """int64 [N']: records the training stream draws from, in record order.
+
+  All records, or only those with at least one training box when
+  `dataset.include_negatives` is False.
+  """
+  ids = np.arange(split.num_records, dtype=np.int64)
+  if not bool(config.dataset.get("include_negatives", True)):
+    ids = ids[split.num_training_boxes() > 0]
+  if ids.size == 0:
+    raise DatasetError(
+        "the training split has no image with a box to train on; check the "
+        "annotations or set dataset.include_negatives=True")
+  return ids
+
+
+def train_dataset(config, *, start_position: int = 0,
+                  first_row: int | None = None,
+                  process_count: int | None = None) -> tf.data.Dataset:
+  """Endless tf.data.Dataset of this process's training batches.
+
+  Args:
+    config: the trainer config.
+    start_position: examples of the global stream already consumed (a
+      multiple of global_batch_size when resuming a run at a step).
+    first_row: first row of each global batch this process holds (default:
+      process_index * b; the trainer passes what its mesh says).
+    process_count: defaults to jax's; settable for tests.
+
+  Batches carry the REPORT_KEYS flags besides the keys in the module doc.
+  """
+  first_row, batch = _rows(config, first_row, process_count)
+  split = datasets.prepare_split(config, datasets.TRAIN)
+  train_ids = tf.constant(training_record_ids(config, split))
+  num = tf.constant(int(train_ids.shape[0]), tf.int64)
+  seed = int(config.seed)
+  opts = transforms.TransformOptions.from_config(config)
+
+  def record_of_position(positions):
+    epoch = positions // num
+    # A fresh permutation of the whole split every epoch (stateless, O(1) per
+    # example: no buffer, no dependence on how many hosts read the stream).
+    # The raw op takes one [seed, epoch, 0] row per position (the public
+    # wrapper only pads a single seed vector).
+    seeds = tf.stack([tf.fill(tf.shape(epoch), tf.constant(seed, tf.int64)), epoch,
+                      tf.zeros_like(epoch)], axis=-1)
+    index = tf.raw_ops.RandomIndexShuffle(index=positions % num, seed=seeds,
+                                          max_index=num - 1, rounds=4)
+    return tf.gather(train_ids, index)
+
+  def transform(example, position):
+    example_seed = tf.stack([tf.constant(seed, tf.int64), position])
+    return transforms.train_transform(example, example_seed, opts)
+
+  positions = _local_positions(int(start_position), int(config.global_batch_size),
+                               first_row, batch, None)
+  return _build(config, positions, record_of_position, split.open_reader(),
+                transform, batch)
+
+
+def eval_dataset(config, *, first_row: int | None = None,
+                 process_count: int | None = None
+                 ) -> tuple[tf.data.Dataset, int]:
+  """Finite eval dataset of this process's rows and the number of batches.
+
+  Every process returns the same number of batches,
+  ceil(num_eval_examples / global_batch_size); positions past the split are
+  masked padding (example_mask False, image_id -1, labels -1).
+  """
+  first_row, batch = _rows(config, first_row, process_count)
+  split = datasets.prepare_split(config, datasets.EVAL)
+  num_batches = math.ceil(split.num_records / int(config.global_batch_size))
+  num = split.num_records
+  opts = transforms.TransformOptions.from_config(config)
+
+  def record_of_position(positions):
+    return tf.where(positions < num, positions, -tf.ones_like(positions))
+
+  positions = _local_positions(0, int(config.global_batch_size), first_row,
+                               batch, num_batches)
+  ds = _build(config, positions, record_of_position, split.open_reader(),
+              lambda example, position: transforms.eval_transform(example, opts),
+              batch)
+  return ds, num_batches
+
+
+class InputCounts:
+  """Running counts of what the pipeline masked or cut, per process.
+
+  Attributes:
+    examples: examples yielded (padding excluded).
+    counts: Counter with decode_failed (images that could not be decoded and
+      were masked) and boxes_truncated (images with more boxes than max_boxes).
+  """
+
+  def __init__(self):
+    self.examples = 0
+    self.counts: collections.Counter = collections.Counter()
+
+  def take(self, batch: Batch) -> Batch:
+    """Removes and counts the REPORT_KEYS of `batch`; returns the rest."""
+    padding = (batch["image_id"] < 0) & ~batch["decode_failed"]
+    self.examples += int(np.sum(~padding))
+    for key in REPORT_KEYS:
+      self.counts[key] += int(np.sum(batch[key]))
+    return {k: v for k, v in batch.items() if k not in REPORT_KEYS}
+
+
+class TrainIterator:
+  """This process's training batches, with the stream position and counts.
+
+  Attributes:
+    position: global examples consumed after the last batch yielded (what a
+      checkpoint records to resume exactly).
+    input_counts: InputCounts of the batches yielded.
+  """
+
+  def __init__(self, config, *, start_position: int = 0,
+               first_row: int | None = None):
+    self._global_batch = int(config.global_batch_size)
+    self._max_bad_fraction = float(config.input.get("max_bad_fraction", 0.5))
+    self.position = int(start_position)
+    self.input_counts = InputCounts()
+    ds = train_dataset(config, start_position=start_position, first_row=first_row)
+    self._batches = ds.as_numpy_iterator()
+
+  def __iter__(self):
+    return self
+
+  def __next__(self) -> Batch:
+    batch = self.input_counts.take(next(self._batches))
+    self.position += self._global_batch
+    seen = self.input_counts.examples
+    failed = self.input_counts.counts["decode_failed"]
+    if seen >= _MIN_EXAMPLES_FOR_BAD_CHECK and failed > self._max_bad_fraction * seen:
+      raise DatasetError(
+          f"{failed} of the last {seen} training images could not be decoded "
+          "(corrupt or truncated files); fix the data or raise "
+          f"input.max_bad_fraction (now {self._max_bad_fraction})")
+    return batch
+
+
+def create_train_iterator(config, *, start_position: int = 0,
+                          first_row: int | None = None) -> TrainIterator:
   """Endless iterator of this process's training batches (numpy dicts).
 
   Args:
     config: the trainer config.
-    start_step: local batches already consumed (for resuming at a step).
+    start_position: global examples already consumed (resuming a run).
+    first_row: first global-batch row this process holds (see train_dataset).
   """
-  return iter(tfds.as_numpy(train_dataset(config, start_step=start_step)))
-
-
-def _padding_example(element_spec) -> dict:
-  """A masked dummy eval example matching `element_spec` (no batch dim)."""
-  dummy = {k: tf.zeros(s.shape, s.dtype) for k, s in element_spec.items()}
-  dummy["labels"] = -tf.ones_like(dummy["labels"])
-  dummy["image_id"] = tf.constant(-1, tf.int32)
-  dummy["scale"] = tf.constant(1.0, tf.float32)  # Safe to divide by.
-  return dummy
-
-
-def eval_dataset(config, *, process_index: int | None = None,
-                 process_count: int | None = None
-                 ) -> tuple[tf.data.Dataset, int]:
-  """Finite eval dataset of this process's shard and the number of batches.
-
-  Every process returns the same number of batches,
-  ceil(num_eval_examples / global_batch_size); the tail is filled with
-  masked dummy examples (example_mask False, image_id -1, labels -1).
-  """
-  process_index, process_count, batch, opts, decode = _setup(config, process_index, process_count)
-  info = datasets.get_dataset_info(config)
-  num_batches = math.ceil(
-      info.num_eval_examples / int(config.global_batch_size))
-
-  split = tfds.split_for_jax_process(
-      config.dataset.eval_split, process_index=process_index,
-      process_count=process_count, drop_remainder=False)
-  ds = _read(config, split, shuffle_files=False)
-  ds = ds.map(lambda ex: transforms.eval_transform(decode(ex), opts),
-              num_parallel_calls=tf.data.AUTOTUNE)
-  padding = tf.data.Dataset.from_tensors(
-      _padding_example(ds.element_spec)).repeat()
-  ds = ds.concatenate(padding).take(num_batches * batch)
-  ds = ds.batch(batch, drop_remainder=True)
-  ds = ds.prefetch(int(config.input.prefetch))
-  return ds.with_options(_options(config)), num_batches
+  return TrainIterator(config, start_position=start_position, first_row=first_row)
 
 
 class EvalIterator(NamedTuple):
@@ -183,84 +351,21 @@ class EvalIterator(NamedTuple):
   Attributes:
     batches: iterator over exactly num_batches numpy batches.
     num_batches: same on every process.
+    input_counts: InputCounts, filled while `batches` is consumed.
   """
 
   batches: Iterator[Batch]
   num_batches: int
+  input_counts: InputCounts
 
 
-def create_eval_iterator(config) -> EvalIterator:
+def create_eval_iterator(config, *, first_row: int | None = None) -> EvalIterator:
   """One pass over the eval split, every example exactly once over processes.
 
-  Usage: `batches, num_batches = create_eval_iterator(config)`. Call it again
-  for the next evaluation.
+  Usage: `batches, num_batches, _ = create_eval_iterator(config)`. Call it
+  again for the next evaluation.
   """
-  ds, num_batches = eval_dataset(config)
-  return EvalIterator(iter(tfds.as_numpy(ds)), num_batches)
-
-
-def coco_ground_truth(config) -> dict:
-  """COCO-format ground truth of the eval split, in original image pixels.
-
-  Reads the whole split (call it on one process; it never waits for others).
-  Crowd regions of coco/2017 are kept with iscrowd=1 so COCO evaluation
-  ignores detections on them, as the official annotations do.
-
-  Returns:
-    {'images': [{'id', 'height', 'width'}],
-     'annotations': [{'id' (from 1), 'image_id', 'category_id', 'bbox'
-                      [x, y, w, h], 'area', 'iscrowd'}],
-     'categories': [{'id', 'name'}]}.
-  """
-  datasets.configure_tf()
-  info = datasets.get_dataset_info(config, sync=False)
-  builder = datasets.get_builder(config, sync=False)
-  try:
-    ds = builder.as_dataset(split=config.dataset.eval_split,
-                            shuffle_files=False,
-                            decoders={"image": tfds.decode.SkipDecoding()})
-  except (KeyError, ValueError) as e:
-    raise DatasetError(f"cannot read eval split: {e}") from e
-
-  def summarize(ex):
-    encoded = ex["image"]
-    hw = tf.cond(
-        tf.io.is_jpeg(encoded),
-        lambda: tf.image.extract_jpeg_shape(encoded)[:2],
-        lambda: tf.shape(tf.io.decode_image(
-            encoded, channels=3, expand_animations=False))[:2])
-    objects = ex["objects"]
-    n = tf.shape(objects["label"])[0]
-    return {
-        "image_id": ex["image/id"],
-        "hw": hw,
-        "bbox": objects["bbox"],
-        "label": objects["label"],
-        "is_crowd": objects.get("is_crowd", tf.zeros([n], tf.bool)),
-        "area": objects.get("area", -tf.ones([n], tf.int64)),
-    }
-
-  ds = ds.map(summarize, num_parallel_calls=tf.data.AUTOTUNE)
-  images, annotations = [], []
-  for ex in tfds.as_numpy(ds):
-    h, w = (int(v) for v in ex["hw"])
-    image_id = int(ex["image_id"])
-    images.append({"id": image_id, "height": h, "width": w})
-    for box, label, crowd, area in zip(ex["bbox"], ex["label"],
-                                       ex["is_crowd"], ex["area"]):
-      y0, x0, y1, x1 = (float(v) for v in box.astype(np.float64)
-                        * np.array([h, w, h, w]))
-      bw, bh = x1 - x0, y1 - y0
-      annotations.append({
-          "id": len(annotations) + 1,  # COCO eval treats id 0 as unmatched.
-          "image_id": image_id,
-          "category_id": int(info.label_to_category_id[int(label)]),
-          # Stored normalized in float32: round away the representation noise.
-          "bbox": [round(x0, 3), round(y0, 3), round(bw, 3), round(bh, 3)],
-          "area": float(area) if area >= 0 else round(bw * bh, 3),
-          "iscrowd": int(bool(crowd)),
-      })
-  categories = [{"id": int(c), "name": n} for c, n in
-                zip(info.label_to_category_id, info.class_names)]
-  return {"images": images, "annotations": annotations,
-          "categories": categories}
+  ds, num_batches = eval_dataset(config, first_row=first_row)
+  counts = InputCounts()
+  batches = (counts.take(b) for b in ds.as_numpy_iterator())
+  return EvalIterator(batches, num_batches, counts)

@@ -13,6 +13,10 @@ uses half-pixel centres), and mirroring a width-W image maps x to W - x.
 
 Random transforms use stateless ops with an explicit int [2] seed, so the
 output is a pure function of (example, seed).
+
+Training augmentation is large-scale jitter (LSJ): random flip, resize by a
+random factor of the fit-to-target scale, random crop / zero pad to the
+target, optional colour jitter; boxes follow the pixels through every step.
 """
 
 from __future__ import annotations
@@ -36,6 +40,11 @@ class TransformOptions:
     std_rgb: per-channel standard deviation, 0-255 units.
     min_box_size: boxes smaller than this (pixels, either side) after
       crop/clip are dropped in training.
+    min_visible_fraction: in training, a box whose visible (clipped) area is
+      less than this fraction of its area before clipping (both after the
+      resize) is dropped; in [0, 1], 0 keeps every non-empty box.
+    color_jitter: colour jitter strength in [0, 1] (0 = off); see
+      random_color_jitter.
   """
 
   image_size: tuple[int, int]
@@ -45,6 +54,8 @@ class TransformOptions:
   mean_rgb: tuple[float, float, float] = (0.0, 0.0, 0.0)
   std_rgb: tuple[float, float, float] = (1.0, 1.0, 1.0)
   min_box_size: float = 0.0
+  min_visible_fraction: float = 0.0
+  color_jitter: float = 0.0
 
   @classmethod
   def from_config(cls, config) -> "TransformOptions":
@@ -56,6 +67,13 @@ class TransformOptions:
     if len(jitter) != 2 or not 0 < jitter[0] <= jitter[1]:
       raise ValueError(
           f"input.scale_jitter must be 0 < min <= max, got {jitter}")
+    # Optional keys: configs written before they existed keep working.
+    min_visible = float(inp.get("min_visible_fraction", 0.0))
+    color_jitter = float(inp.get("color_jitter", 0.0))
+    for name, value in (("min_visible_fraction", min_visible),
+                        ("color_jitter", color_jitter)):
+      if not 0.0 <= value <= 1.0:  # Also rejects NaN.
+        raise ValueError(f"input.{name} must be in [0, 1], got {value}")
     return cls(
         image_size=size,
         max_boxes=int(inp.max_boxes),
@@ -64,6 +82,8 @@ class TransformOptions:
         mean_rgb=tuple(float(v) for v in inp.mean_rgb),
         std_rgb=tuple(float(v) for v in inp.std_rgb),
         min_box_size=float(inp.min_box_size),
+        min_visible_fraction=min_visible,
+        color_jitter=color_jitter,
     )
 
 
@@ -131,6 +151,51 @@ def normalize_image(image: tf.Tensor, mean_rgb: Sequence[float],
       std_rgb, tf.float32)
 
 
+# Folded into the example seed for the colour jitter, so the four geometric
+# sub-seeds (and outputs with color_jitter=0) do not depend on it.
+_COLOR_SEED_TAG = 0x636F6C
+
+
+def _blend(image: tf.Tensor, other: tf.Tensor, factor: tf.Tensor) -> tf.Tensor:
+  """factor * image + (1 - factor) * other, clipped to [0, 255]."""
+  return tf.clip_by_value(other + factor * (image - other), 0.0, 255.0)
+
+
+def random_color_jitter(image: tf.Tensor, seed: tf.Tensor, strength: float
+                        ) -> tf.Tensor:
+  """Random brightness, contrast and saturation (detectron2-style), in order.
+
+  Each factor is uniform in [1 - 0.4 * strength, 1 + 0.4 * strength]:
+  brightness scales the pixels, contrast blends with the image's mean grey
+  level, saturation blends with each pixel's grey level (ITU-R 601 luma);
+  the result is clipped to [0, 255] after each step. Pure function of
+  (image, seed, strength); strength 0 returns `image` unchanged.
+
+  Args:
+    image: float32 [h, w, 3] RGB, 0-255 units.
+    seed: int32/int64 [2] stateless seed.
+    strength: Python float in [0, 1].
+
+  Returns:
+    float32 [h, w, 3] RGB in [0, 255].
+  """
+  strength = float(strength)
+  if not 0.0 <= strength <= 1.0:
+    raise ValueError(f"color jitter strength must be in [0, 1], got {strength}")
+  if strength == 0.0:
+    return image
+  image = tf.cast(image, tf.float32)
+  lo, hi = 1.0 - 0.4 * strength, 1.0 + 0.4 * strength
+  seeds = tf.unstack(tf.random.experimental.stateless_split(seed, 3))
+  brightness, contrast, saturation = (
+      tf.random.stateless_uniform([], s, lo, hi) for s in seeds)
+  image = tf.clip_by_value(image * brightness, 0.0, 255.0)
+  grey = tf.tensordot(image, tf.constant([0.299, 0.587, 0.114]), 1)[..., None]
+  image = _blend(image, tf.reduce_mean(grey), contrast)
+  grey = tf.tensordot(image, tf.constant([0.299, 0.587, 0.114]), 1)[..., None]
+  return _blend(image, grey, saturation)
+
+
 def _resize(image: tf.Tensor, scale: tf.Tensor, max_size=None):
   """Resizes by `scale` (rounded to whole pixels); float32 image, new (h, w)."""
   hw = tf.cast(tf.shape(image)[:2], tf.float32)
@@ -150,6 +215,30 @@ def drop_small_boxes(boxes: tf.Tensor, labels: tf.Tensor, min_size: float
   w = boxes[:, 3] - boxes[:, 1]
   keep = (h > 0) & (w > 0) & (h >= min_size) & (w >= min_size)
   return tf.boolean_mask(boxes, keep), tf.boolean_mask(labels, keep)
+
+
+def _area(boxes: tf.Tensor) -> tf.Tensor:
+  return (tf.maximum(boxes[:, 2] - boxes[:, 0], 0.0) *
+          tf.maximum(boxes[:, 3] - boxes[:, 1], 0.0))
+
+
+def drop_hidden_boxes(boxes: tf.Tensor, clipped_boxes: tf.Tensor,
+                      labels: tf.Tensor, min_visible_fraction: float
+                      ) -> tuple[tf.Tensor, tf.Tensor]:
+  """Drops boxes mostly cut off by a crop.
+
+  Args:
+    boxes: float32 [N, 4] boxes before clipping to the visible window.
+    clipped_boxes: float32 [N, 4] the same boxes after clipping (same units).
+    labels: int32 [N].
+    min_visible_fraction: keep a box iff area(clipped) >= this fraction of
+      area(boxes).
+
+  Returns:
+    The kept clipped boxes [M, 4] and their labels [M].
+  """
+  keep = _area(clipped_boxes) >= min_visible_fraction * _area(boxes)
+  return tf.boolean_mask(clipped_boxes, keep), tf.boolean_mask(labels, keep)
 
 
 def pad_boxes(boxes: tf.Tensor, labels: tf.Tensor, max_boxes: int
@@ -178,12 +267,14 @@ def _clip_boxes(boxes: tf.Tensor, height, width) -> tf.Tensor:
 
 def _finish(image, boxes, labels, image_id, scale, original_hw,
             opts: TransformOptions) -> dict:
+  truncated = tf.shape(boxes)[0] > opts.max_boxes
   boxes, labels, mask = pad_boxes(boxes, labels, opts.max_boxes)
   return {
       "image": tf.ensure_shape(image, [*opts.image_size, 3]),
       "boxes": boxes,
       "labels": labels,
       "boxes_mask": mask,
+      "boxes_truncated": tf.ensure_shape(truncated, []),
       "image_id": tf.cast(image_id, tf.int32),
       "scale": tf.cast(scale, tf.float32),
       "original_size": tf.cast(original_hw, tf.int32),
@@ -193,13 +284,17 @@ def _finish(image, boxes, labels, image_id, scale, original_hw,
 
 def train_transform(example: dict, seed: tf.Tensor, opts: TransformOptions
                     ) -> dict:
-  """Random flip + scale jitter + crop/pad to opts.image_size; normalizes.
+  """LSJ: random flip, scale jitter, crop/pad to opts.image_size, colour.
 
   The image is resized so it fits (H, W) times a random factor from
   opts.scale_jitter (aspect kept), then a random (H, W) window is cropped
   where it is larger and zeros (the mean colour after normalization) are
-  padded bottom/right where it is smaller. Boxes follow the pixels exactly,
-  are clipped to the visible image and dropped below opts.min_box_size.
+  padded bottom/right where it is smaller. With opts.color_jitter > 0 the
+  visible pixels get random_color_jitter (0-255 units, before
+  normalization; padding stays zero). Boxes follow the pixels exactly, are
+  clipped to the visible image, and are dropped when less than
+  opts.min_visible_fraction of their area is visible or when smaller than
+  opts.min_box_size; the first max_boxes survivors are kept.
 
   Args:
     example: decode_example() output.
@@ -207,10 +302,14 @@ def train_transform(example: dict, seed: tf.Tensor, opts: TransformOptions
     opts: static settings.
 
   Returns:
-    {'image': float32 [H, W, 3], 'boxes': float32 [max_boxes, 4] in network
-     pixels, 'labels': int32 [max_boxes], 'boxes_mask': bool [max_boxes],
-     'image_id': int32 [], 'scale': float32 [] (network px per original px),
-     'original_size': int32 [2] (h, w), 'example_mask': bool [] (True)}.
+    {'image': float32 [H, W, 3] normalized ((x - mean_rgb) / std_rgb, 0 in
+     padding), 'boxes': float32 [max_boxes, 4] y0, x0, y1, x1 in network
+     pixels (zeros as padding), 'labels': int32 [max_boxes] (-1 as padding),
+     'boxes_mask': bool [max_boxes] (True = real box), 'boxes_truncated':
+     bool [] (True when more than max_boxes boxes survived and the rest were
+     cut), 'image_id': int32 [], 'scale': float32 [] (network px per
+     original px), 'original_size': int32 [2] (h, w) original pixels,
+     'example_mask': bool [] (True)}.
   """
   out_h, out_w = opts.image_size
   flip_seed, scale_seed, crop_y_seed, crop_x_seed = tf.unstack(
@@ -231,7 +330,6 @@ def train_transform(example: dict, seed: tf.Tensor, opts: TransformOptions
   # on the resized pixels.
   axis_scale = tf.cast(new_hw, tf.float32) / hw
   boxes = boxes * tf.tile(axis_scale, [2])[None, :]
-  image = normalize_image(image, opts.mean_rgb, opts.std_rgb)
 
   # Random crop offsets (zero where the image is smaller than the target).
   off_y = tf.random.stateless_uniform(
@@ -241,9 +339,21 @@ def train_transform(example: dict, seed: tf.Tensor, opts: TransformOptions
   image = image[off_y:off_y + out_h, off_x:off_x + out_w]
   visible_h = tf.minimum(new_hw[0] - off_y, out_h)
   visible_w = tf.minimum(new_hw[1] - off_x, out_w)
+  if opts.color_jitter > 0:
+    color_seed = tf.random.experimental.stateless_fold_in(
+        seed, _COLOR_SEED_TAG)
+    image = random_color_jitter(image, color_seed, opts.color_jitter)
+  # Per-pixel, so normalizing after the crop equals normalizing before it.
+  image = normalize_image(image, opts.mean_rgb, opts.std_rgb)
   image = tf.image.pad_to_bounding_box(image, 0, 0, out_h, out_w)
   offset = tf.cast(tf.stack([off_y, off_x, off_y, off_x]), tf.float32)
-  boxes = _clip_boxes(boxes - offset[None, :], visible_h, visible_w)
+  boxes = boxes - offset[None, :]
+  clipped = _clip_boxes(boxes, visible_h, visible_w)
+  if opts.min_visible_fraction > 0:
+    boxes, labels = drop_hidden_boxes(boxes, clipped, labels,
+                                      opts.min_visible_fraction)
+  else:
+    boxes = clipped
   boxes, labels = drop_small_boxes(boxes, labels, opts.min_box_size)
   return _finish(image, boxes, labels, example["image_id"], scale,
                  original_hw, opts)
@@ -255,10 +365,11 @@ def eval_transform(example: dict, opts: TransformOptions) -> dict:
   The scale is min(H / h, W / w), i.e. the longer side (relative to the
   target) fills the target; boxes are multiplied by exactly `scale`, so
   `boxes / scale` are original-image pixels. Degenerate (empty) boxes are
-  dropped; no minimum size is applied.
+  dropped; no minimum size or visibility is applied, no colour jitter.
 
   Returns:
-    Same keys and shapes as train_transform.
+    Same keys, shapes and units as train_transform ('boxes_truncated' True
+    when the image has more than max_boxes non-empty boxes).
   """
   out_h, out_w = opts.image_size
   image, boxes, labels = example["image"], example["boxes"], example["labels"]

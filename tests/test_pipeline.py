@@ -6,11 +6,8 @@ import re
 import ml_collections
 import numpy as np
 import pytest
-import tensorflow as tf
-import tensorflow_datasets as tfds
 
 import input_pipeline
-from input_pipeline import datasets
 from input_pipeline import pipeline
 from input_pipeline.datasets import synthetic_shapes as ss
 
@@ -32,6 +29,12 @@ def make_config(data_dir, **overrides):
           "num_train_examples": N_TRAIN,
           "num_eval_examples": N_EVAL,
           "image_size": SIZE,
+          "cache_dir": None,
+          "train_json": None,
+          "train_images": None,
+          "eval_json": None,
+          "eval_images": None,
+          "include_negatives": True,
       },
       "input": {
           "image_size": NET,
@@ -40,7 +43,6 @@ def make_config(data_dir, **overrides):
           "horizontal_flip": True,
           "mean_rgb": (123.675, 116.28, 103.53),
           "std_rgb": (58.395, 57.12, 57.375),
-          "shuffle_buffer": 32,
           "prefetch": 2,
           "min_box_size": 2.0,
       },
@@ -52,7 +54,7 @@ def make_config(data_dir, **overrides):
 @pytest.fixture(scope="session")
 def data_dir(tmp_path_factory):
   path = tmp_path_factory.mktemp("data")
-  datasets.get_builder(make_config(path))  # Generate once per session.
+  input_pipeline.get_dataset_info(make_config(path))  # Prepare once per session.
   return path
 
 
@@ -113,18 +115,47 @@ def test_train_is_deterministic_per_seed(data_dir):
   assert set(counts.values()) == {2}
 
 
-def test_train_resumes_at_step(data_dir):
+def test_train_resumes_at_position(data_dir):
+  """Stopping after 9 batches and resuming at the recorded position continues the same stream."""
   config = make_config(data_dir)
-  full = _take(input_pipeline.create_train_iterator(config), 10)
-  resumed = next(input_pipeline.create_train_iterator(config, start_step=9))
-  for key in resumed:
-    np.testing.assert_array_equal(resumed[key], full[9][key], err_msg=key)
+  full = _take(input_pipeline.create_train_iterator(config), 12)
+  stopped = input_pipeline.create_train_iterator(config)
+  _take(stopped, 9)
+  assert stopped.position == 9 * 8
+  resumed = _take(input_pipeline.create_train_iterator(
+      config, start_position=stopped.position), 3)
+  for got, want in zip(resumed, full[9:]):
+    for key in want:
+      np.testing.assert_array_equal(got[key], want[key], err_msg=key)
+
+
+@pytest.mark.parametrize("process_count", [2, 4])
+def test_global_batches_do_not_depend_on_process_count(data_dir, process_count):
+  """Each process's rows, side by side, are exactly the one-process global batch."""
+  config = make_config(data_dir)
+  single = _take(input_pipeline.create_train_iterator(config), 3)
+  local = 8 // process_count
+  parts = [_take(pipeline.train_dataset(config, first_row=k * local, process_count=process_count)
+                 .as_numpy_iterator(), 3) for k in range(process_count)]
+  for step, want in enumerate(single):
+    for key in want:
+      got = np.concatenate([part[step][key] for part in parts])
+      np.testing.assert_array_equal(got, want[key], err_msg=key)
+
+
+def test_negatives_can_be_left_out(data_dir):
+  config = make_config(data_dir)
+  split = input_pipeline.prepare_split(config, "train")
+  assert (split.num_training_boxes() > 0).all()  # Synthetic images all have objects.
+  np.testing.assert_array_equal(pipeline.training_record_ids(config, split),
+                                np.arange(N_TRAIN))
 
 
 def test_eval_visits_every_image_once(data_dir):
   config = make_config(data_dir)  # 20 examples, batch 8 -> 3 batches
-  batches, num_batches = input_pipeline.create_eval_iterator(config)
+  batches, num_batches, counts = input_pipeline.create_eval_iterator(config)
   batches = list(batches)
+  assert counts.examples == N_EVAL and counts.counts["decode_failed"] == 0
   assert num_batches == 3 and len(batches) == 3
   ids = np.concatenate([b["image_id"] for b in batches])
   mask = np.concatenate([b["example_mask"] for b in batches])
@@ -144,8 +175,9 @@ def test_eval_shards_cover_split_once(data_dir, process_count, global_batch):
   seen, steps = [], set()
   for index in range(process_count):
     ds, num_batches = pipeline.eval_dataset(
-        config, process_index=index, process_count=process_count)
-    batches = list(tfds.as_numpy(ds))
+        config, first_row=index * (global_batch // process_count),
+        process_count=process_count)
+    batches = list(ds.as_numpy_iterator())
     steps.add((num_batches, len(batches)))
     for b in batches:
       assert b["image_id"].shape == (global_batch // process_count,)
@@ -184,8 +216,8 @@ def test_eval_boxes_map_back_to_ground_truth(data_dir):
   by_image = collections.defaultdict(list)
   for a in gt["annotations"]:
     by_image[a["image_id"]].append(a["bbox"])
-  batches, _ = input_pipeline.create_eval_iterator(config)
   checked = 0
+  batches = input_pipeline.create_eval_iterator(config).batches
   for b in batches:
     for i in np.flatnonzero(b["example_mask"]):
       boxes = b["boxes"][i][b["boxes_mask"][i]] / b["scale"][i]
@@ -210,7 +242,7 @@ def test_dataset_info(data_dir):
 def test_unknown_dataset_is_an_error(data_dir):
   config = make_config(data_dir, **{"dataset.name": "imagenette"})
   with pytest.raises(input_pipeline.DatasetError,
-                     match="synthetic_shapes.*coco/2017"):
+                     match="synthetic_shapes.*coco_json.*coco/2017"):
     input_pipeline.get_dataset_info(config)
   with pytest.raises(input_pipeline.DatasetError, match="imagenette"):
     input_pipeline.create_train_iterator(config)
@@ -219,9 +251,9 @@ def test_unknown_dataset_is_an_error(data_dir):
 def test_indivisible_global_batch_is_an_error(data_dir):
   config = make_config(data_dir, global_batch_size=6)
   with pytest.raises(input_pipeline.DatasetError, match="global_batch_size 6"):
-    pipeline.train_dataset(config, process_index=0, process_count=4)
+    pipeline.train_dataset(config, process_count=4)
   with pytest.raises(input_pipeline.DatasetError):
-    pipeline.eval_dataset(config, process_index=1, process_count=4)
+    pipeline.eval_dataset(config, process_count=4)
   assert pipeline.local_batch_size(config, 3) == 2
 
 
@@ -231,7 +263,7 @@ def test_missing_coco_is_an_error(tmp_path):
     input_pipeline.get_dataset_info(config)
   message = str(err.value)
   assert "\n" not in message
-  assert f"coco/2017 is not prepared in {tmp_path}" in message
+  assert f"cannot read split 'train' of coco/2017 from {tmp_path}" in message
   assert f"tfds build coco/2017 --data_dir={tmp_path}" in message
   assert "--config.dataset.data_dir" in message
   assert list(tmp_path.iterdir()) == []  # Nothing was downloaded or created.
@@ -244,20 +276,3 @@ def test_missing_data_dir_parent_is_an_error(tmp_path):
   with pytest.raises(input_pipeline.DatasetError,
                      match=f"{parent} does not exist"):
     input_pipeline.create_train_iterator(config)
-
-
-def test_coco_decoder_drops_crowd_boxes(tmp_path):
-  decode = datasets.get_decoder(
-      make_config(tmp_path, **{"dataset.name": "coco/2017"}))
-  example = {
-      "image": tf.io.encode_jpeg(tf.zeros([10, 20, 3], tf.uint8)),
-      "image/id": tf.constant(9, tf.int64),
-      "objects": {
-          "bbox": tf.constant([[0.0, 0.0, 0.5, 0.5], [0.5, 0.5, 1.0, 1.0]]),
-          "label": tf.constant([2, 5], tf.int64),
-          "is_crowd": tf.constant([True, False]),
-      },
-  }
-  out = decode(example)
-  np.testing.assert_allclose(out["boxes"], [[5, 10, 10, 20]])
-  np.testing.assert_array_equal(out["labels"], [5])

@@ -45,7 +45,6 @@ def make_config(data_dir, **overrides):
     config.dataset.image_size = 64
     config.input.image_size = (64, 64)
     config.input.max_boxes = 8
-    config.input.shuffle_buffer = 64
     config.global_batch_size = 8
     config.eval_batch_size = 8
     config.model.fpn_features = 16
@@ -201,20 +200,27 @@ def test_interrupted_run_resumes_exactly(reference_run, tmp_path, monkeypatch):
     """
     config = reference_run.config
     real_create_train_iterator = input_pipeline.create_train_iterator
-    start_steps = []
+    start_positions = []
 
-    def create_train_iterator(config, *, start_step=0):
-        start_steps.append(start_step)
-        batches = real_create_train_iterator(config, start_step=start_step)
-        if len(start_steps) > 1:
-            return batches
+    class DiesAfterTwoBatches:
+        """The real iterator (position, counts) that fails fetching the batch of step 3."""
 
-        def dies_after_two_batches():
-            yield next(batches)
-            yield next(batches)
-            raise Preempted  # while fetching the batch of step 3, after step 2's checkpoint started
+        def __init__(self, batches):
+            self.batches, self.served = batches, 0
 
-        return dies_after_two_batches()
+        position = property(lambda self: self.batches.position)
+        input_counts = property(lambda self: self.batches.input_counts)
+
+        def __next__(self):
+            if self.served == 2:
+                raise Preempted  # while fetching the batch of step 3, after step 2's checkpoint started
+            self.served += 1
+            return next(self.batches)
+
+    def create_train_iterator(config, *, start_position=0, first_row=None):
+        start_positions.append(start_position)
+        batches = real_create_train_iterator(config, start_position=start_position, first_row=first_row)
+        return batches if len(start_positions) > 1 else DiesAfterTwoBatches(batches)
 
     monkeypatch.setattr(input_pipeline, "create_train_iterator", create_train_iterator)
     with pytest.raises(Preempted):
@@ -224,7 +230,8 @@ def test_interrupted_run_resumes_exactly(reference_run, tmp_path, monkeypatch):
     assert not (tmp_path / "eval_metrics.jsonl").exists()
 
     metrics = train.train_and_evaluate(config, str(tmp_path))
-    assert start_steps == [0, 2]  # the second run asked the input pipeline to skip the 2 consumed batches
+    # The second run asked the input pipeline for the stream after the 2 x 8 consumed examples.
+    assert start_positions == [0, 2 * config.global_batch_size]
     assert checkpoint_steps(tmp_path) == [2, 4]
     train_lines = read_jsonl(tmp_path / "train_metrics.jsonl")
     assert [line["step"] for line in train_lines] == [2, 4]  # continues, no step trained twice
@@ -241,7 +248,7 @@ def test_interrupted_run_resumes_exactly(reference_run, tmp_path, monkeypatch):
     reference, _, _ = restore_latest(reference_run.workdir, config)
     assert resumed_step == 4
     assert int(resumed.step) == 4
-    assert resumed_metadata == {"step": 4, "batches_consumed": 4}
+    assert resumed_metadata == {"step": 4, "input_position": 4 * config.global_batch_size}
     # optax's own step counters (Adam's bias correction, the schedule) continued too.
     counters = [x for x in jax.tree.leaves(resumed.opt_state) if np.ndim(x) == 0 and np.issubdtype(x.dtype, np.integer)]
     assert counters and all(int(c) == 4 for c in counters)

@@ -1,5 +1,8 @@
 """Box-aware transforms: boxes must follow the pixels under every transform."""
 
+import dataclasses
+
+import ml_collections
 import numpy as np
 import pytest
 import tensorflow as tf
@@ -220,3 +223,268 @@ def test_normalization_and_determinism():
   np.testing.assert_allclose(out["image"][40, 40], [-50.0, -10.0, 0.0])
   np.testing.assert_allclose(out["image"][5, 5],
                              [155 / 2, 205 / 5, 1.0], rtol=1e-6)
+
+
+# --- Large-scale jitter, visibility, colour jitter, truncation, config. ---
+
+BG = 60  # Background grey of _channel_example.
+MEAN = (120.0, 110.0, 100.0)
+STD = (50.0, 60.0, 70.0)
+
+
+def _channel_example(h, w, rects):
+  """Grey (BG) image where rectangle k raises channel k to 255 (k < 3).
+
+  Resampling is linear per channel, so after any resize (raw - BG) / (255 -
+  BG) in channel k is the fraction of the pixel covered by box k.
+  """
+  image = np.full((h, w, 3), BG, np.uint8)
+  for k, (y0, x0, y1, x1) in enumerate(rects):
+    image[y0:y1, x0:x1, k] = 255
+  return _example(h, w, rects) | {"image": tf.constant(image)}
+
+
+def _content_size(out, h, w):
+  """(rows, cols) of the network image holding resized pixels (not padding)."""
+  scale = np.float32(out["scale"])
+  new_h = int(np.round(np.float32(h) * scale))
+  new_w = int(np.round(np.float32(w) * scale))
+  return new_h, new_w
+
+
+@pytest.mark.parametrize("hw", [(48, 80), (96, 40)])
+def test_lsj_boxes_follow_pixels_with_zoom_out_and_zoom_in(hw):
+  h, w = hw
+  # The last box overflows the image (as annotations sometimes do): it must
+  # end at the content edge, not in the padding.
+  rects = [[4, 6, h // 2, w // 2], [h // 2 + 2, 3, h - 3, w // 3 + 4],
+           [6, w // 2 + 5, h + 4, w + 3]]
+  ex = _channel_example(h, w, rects)
+  opts = _opts(scale_jitter=(0.1, 2.0), horizontal_flip=True, mean_rgb=MEAN,
+               std_rgb=STD)
+  seen_zoom_out = seen_zoom_in = False
+  for s in range(24):
+    out = transforms.train_transform(ex, tf.constant([s, 5], tf.int64), opts)
+    image = out["image"].numpy()
+    assert image.shape == (64, 64, 3)
+    new_h, new_w = _content_size(out, h, w)
+    ch, cw = min(new_h, 64), min(new_w, 64)
+    # Padding (bottom/right) is exactly the normalized mean; content is not.
+    assert not image[ch:].any() and not image[:, cw:].any()
+    assert np.abs(image[:ch, :cw]).sum(-1).all()
+    seen_zoom_out |= new_h * new_w < 0.25 * 64 * 64  # Mostly padding.
+    seen_zoom_in |= min(new_h - 64, new_w - 64) > 0 or max(new_h, new_w) > 96
+    cover = (image[:ch, :cw] * STD + MEAN - BG) / (255 - BG)
+    yc = np.arange(ch)[:, None] + 0.5  # Pixel centres.
+    xc = np.arange(cw)[None, :] + 0.5
+    boxes, labels = out["boxes"].numpy(), out["labels"].numpy()
+    mask = out["boxes_mask"].numpy()
+    assert sorted(labels[mask]) == sorted(set(labels[mask]))
+    for k in range(3):
+      outside = np.ones((ch, cw), bool)
+      for box in boxes[mask & (labels == k)]:
+        y0, x0, y1, x1 = box
+        # Inside the visible content, never into padding or past the image.
+        assert 0 <= y0 < y1 <= ch and 0 <= x0 < x1 <= cw, (s, box)
+        # Pixels centred at least half a pixel inside are mostly box k; the
+        # pixel under the centre carries box k even for a 1-pixel box.
+        inside = ((yc >= y0 + 0.5) & (yc <= y1 - 0.5) &
+                  (xc >= x0 + 0.5) & (xc <= x1 - 0.5))
+        assert (cover[..., k][inside] > 0.5).all(), (s, k, box)
+        cy = min(int((y0 + y1) / 2), ch - 1)
+        cx = min(int((x0 + x1) / 2), cw - 1)
+        assert cover[cy, cx, k] > 0.4, (s, k, box)
+        outside &= ~((yc > y0 - 0.5) & (yc < y1 + 0.5) &
+                     (xc > x0 - 0.5) & (xc < x1 + 0.5))
+      # Everything else (incl. a dropped box's colour) is mostly background.
+      assert (cover[..., k][outside] < 0.5).all(), (s, k)
+  assert seen_zoom_out and seen_zoom_in
+
+
+def test_drop_hidden_boxes_keeps_at_least_the_visible_fraction():
+  boxes = tf.constant([[0, 0, 10, 10]] * 4 + [[2, 2, 4, 4]], tf.float32)
+  clipped = tf.constant([[0, 0, 10, 10], [0, 0, 10, 5], [0, 0, 10, 3.9],
+                         [0, 0, 4, 10], [2, 2, 2, 4]], tf.float32)
+  labels = tf.constant([0, 1, 2, 3, 4])
+  # Visible fractions 1, 0.5, 0.39, 0.4, 0 (fully hidden).
+  kept, kept_labels = transforms.drop_hidden_boxes(boxes, clipped, labels, 0.4)
+  np.testing.assert_array_equal(kept_labels, [0, 1, 3])
+  np.testing.assert_array_equal(kept, clipped.numpy()[[0, 1, 3]])
+  _, kept_labels = transforms.drop_hidden_boxes(boxes, clipped, labels, 0.6)
+  np.testing.assert_array_equal(kept_labels, [0])
+  _, kept_labels = transforms.drop_hidden_boxes(boxes, clipped, labels, 0.0)
+  np.testing.assert_array_equal(kept_labels, [0, 1, 2, 3, 4])
+
+
+@pytest.mark.parametrize("fraction,kept", [(0.4, True), (0.5, True),
+                                           (0.6, False)])
+def test_min_visible_fraction_drops_half_cut_box(fraction, kept):
+  # 32x64 image, fit 1, jitter 2 -> 64x128: the crop is always all rows and a
+  # random half of the columns, so the full-width box is exactly half
+  # visible; the small box [20, 20, 28, 28] -> [40, 40, 56, 56] is fully
+  # visible or partly cut depending on the seed.
+  ex = _example(32, 64, [[0, 0, 32, 64], [20, 20, 28, 28]])
+  opts = _opts(scale_jitter=(2.0, 2.0), min_visible_fraction=fraction)
+  for s in range(4):
+    out = transforms.train_transform(ex, tf.constant([s, 3]), opts)
+    labels = out["labels"].numpy()
+    assert (0 in labels) == kept, s
+    if kept:
+      np.testing.assert_array_equal(out["boxes"][0], [0, 0, 64, 64])
+    # Same seed without the rule: same crop, the rule only removes boxes.
+    ref = transforms.train_transform(ex, tf.constant([s, 3]), _opts(
+        scale_jitter=(2.0, 2.0)))
+    small = ref["boxes"].numpy()[ref["labels"].numpy() == 1]
+    if len(small):
+      visible = np.prod(small[0, 2:] - small[0, :2]) / (16 * 16)
+      assert (1 in labels) == (visible >= fraction), (s, visible)
+    np.testing.assert_array_equal(out["image"], ref["image"])
+
+
+def test_min_visible_fraction_combines_with_min_box_size():
+  # 64 px -> 128 px crop: full-width box half visible (kept at 0.4), thin box
+  # [0, 40, 64, 41] -> 2 px wide: visible or not, min_box_size 3 drops it.
+  ex = _example(32, 64, [[0, 0, 32, 64], [0, 40, 32, 41]])
+  opts = _opts(scale_jitter=(2.0, 2.0), min_visible_fraction=0.4,
+               min_box_size=3.0)
+  for s in range(4):
+    out = transforms.train_transform(ex, tf.constant([s, 4]), opts)
+    np.testing.assert_array_equal(out["labels"], [0] + [-1] * 7)
+
+
+def test_random_color_jitter_ranges_and_determinism():
+  grey = tf.fill([8, 8, 3], 100.0)
+  ratios = []
+  for s in range(32):
+    out = transforms.random_color_jitter(grey, tf.constant([s, 0]), 0.5)
+    out = out.numpy()
+    # Contrast and saturation leave flat grey alone: only brightness acts.
+    np.testing.assert_allclose(out, out[0, 0, 0], rtol=1e-5)
+    ratios.append(out[0, 0, 0] / 100.0)
+  assert 0.8 <= min(ratios) < 0.85 and 1.15 < max(ratios) <= 1.2
+  image = tf.constant(
+      np.random.default_rng(0).uniform(0, 255, (16, 16, 3)), tf.float32)
+  a = transforms.random_color_jitter(image, tf.constant([1, 2]), 1.0)
+  b = transforms.random_color_jitter(image, tf.constant([1, 2]), 1.0)
+  c = transforms.random_color_jitter(image, tf.constant([2, 2]), 1.0)
+  np.testing.assert_array_equal(a, b)
+  assert not np.allclose(a, c) and not np.allclose(a, image)
+  assert a.numpy().min() >= 0 and a.numpy().max() <= 255
+  same = transforms.random_color_jitter(image, tf.constant([1, 2]), 0.0)
+  assert same is image
+  with pytest.raises(ValueError, match="strength"):
+    transforms.random_color_jitter(image, tf.constant([1, 2]), 1.5)
+
+
+def test_train_color_jitter_changes_only_visible_pixels():
+  rects = [[4, 4, 30, 40], [20, 30, 50, 70]]
+  ex = _channel_example(56, 80, rects)
+  base = _opts(scale_jitter=(0.3, 1.5), horizontal_flip=True, mean_rgb=MEAN,
+               std_rgb=STD)
+  jitter = dataclasses.replace(base, color_jitter=1.0)
+  off = dataclasses.replace(base, color_jitter=0.0)
+  lo = (0.0 - np.array(MEAN)) / STD
+  hi = (255.0 - np.array(MEAN)) / STD
+  saw_clip = saw_pad = False
+  for s in range(4):
+    seed = tf.constant([s, 7], tf.int64)
+    plain = transforms.train_transform(ex, seed, base)
+    jittered = transforms.train_transform(ex, seed, jitter)
+    again = transforms.train_transform(ex, seed, jitter)
+    other = transforms.train_transform(ex, tf.constant([s, 8], tf.int64),
+                                       jitter)
+    # Strength 0 is exactly the no-jitter output.
+    zero = transforms.train_transform(ex, seed, off)
+    for k in plain:
+      np.testing.assert_array_equal(zero[k], plain[k], err_msg=k)
+      np.testing.assert_array_equal(again[k], jittered[k], err_msg=k)
+      if k != "image":  # Geometry and boxes untouched by colour.
+        np.testing.assert_array_equal(jittered[k], plain[k], err_msg=k)
+    image = jittered["image"].numpy()
+    new_h, new_w = _content_size(jittered, 56, 80)
+    ch, cw = min(new_h, 64), min(new_w, 64)
+    content = image[:ch, :cw]
+    assert not np.allclose(content, plain["image"].numpy()[:ch, :cw], atol=1e-2)
+    assert not np.array_equal(image, other["image"].numpy())
+    assert (content >= lo - 1e-5).all() and (content <= hi + 1e-5).all()
+    saw_clip |= bool(np.isclose(content, hi, atol=1e-4).any())
+    # Padding stays exactly zero (jitter runs before padding).
+    assert not image[ch:].any() and not image[:, cw:].any()
+    saw_pad |= ch < 64 or cw < 64
+  assert saw_clip and saw_pad
+
+
+def test_boxes_truncated_flag():
+  rects = [[2 * i, 2 * i, 2 * i + 20, 2 * i + 20] for i in range(6)]
+  ex = _example(64, 64, rects)
+  for max_boxes, truncated in [(4, True), (5, True), (6, False), (8, False)]:
+    opts = _opts(max_boxes=max_boxes)
+    out = transforms.train_transform(ex, tf.constant([1, 1]), opts)
+    assert out["boxes_truncated"].dtype == tf.bool
+    assert out["boxes_truncated"].shape == ()
+    assert bool(out["boxes_truncated"]) == truncated, max_boxes
+    out = transforms.eval_transform(ex, opts)
+    assert bool(out["boxes_truncated"]) == truncated, max_boxes
+  # Counted after dropping: 2 of 5 boxes are below min_box_size.
+  ex = _example(64, 64, [[0, 0, 2, 2], [5, 5, 30, 30], [1, 1, 3, 3],
+                         [10, 10, 40, 40], [20, 20, 60, 60]])
+  out = transforms.train_transform(ex, tf.constant([0, 0]),
+                                   _opts(max_boxes=3, min_box_size=4.0))
+  assert not bool(out["boxes_truncated"])
+  np.testing.assert_array_equal(out["labels"], [1, 3, 4])
+  out = transforms.train_transform(ex, tf.constant([0, 0]),
+                                   _opts(max_boxes=2, min_box_size=4.0))
+  assert bool(out["boxes_truncated"])
+
+
+def test_train_and_eval_graph_outputs_have_identical_static_specs():
+  # As in tf.data: graph mode, image size unknown when tracing (no
+  # tensor-dependent Python control flow, so autograph would not change it).
+  ex = _channel_example(40, 72, [[3, 4, 20, 30], [10, 40, 38, 70]])
+  opts = _opts(scale_jitter=(0.1, 2.0), horizontal_flip=True,
+               min_visible_fraction=0.3, color_jitter=0.5, min_box_size=1.0)
+  example_spec = {
+      "image": tf.TensorSpec([None, None, 3], tf.uint8),
+      "boxes": tf.TensorSpec([None, 4], tf.float32),
+      "labels": tf.TensorSpec([None], tf.int32),
+      "image_id": tf.TensorSpec([], tf.int32),
+  }
+  train = tf.function(lambda e, s: transforms.train_transform(e, s, opts),
+                      autograph=False).get_concrete_function(
+                          example_spec, tf.TensorSpec([2], tf.int64))
+  evals = tf.function(lambda e: transforms.eval_transform(e, opts),
+                      autograph=False).get_concrete_function(example_spec)
+  spec = lambda f: {k: tf.TensorSpec(t.shape, t.dtype)  # noqa: E731
+                    for k, t in f.structured_outputs.items()}
+  assert spec(train) == spec(evals)
+  assert spec(train)["boxes_truncated"] == tf.TensorSpec([], tf.bool)
+  for s in range(2):  # Graph mode matches eager.
+    seed = tf.constant([0, s], tf.int64)
+    graph, eager = train(ex, seed), transforms.train_transform(ex, seed, opts)
+    for k in eager:
+      np.testing.assert_allclose(graph[k], eager[k], rtol=1e-5, atol=1e-5,
+                                 err_msg=k)
+
+
+def _config(**input_overrides):
+  inp = dict(image_size=(64, 64), max_boxes=8, scale_jitter=(0.1, 2.0),
+             horizontal_flip=True, mean_rgb=MEAN, std_rgb=STD,
+             min_box_size=1.0)
+  inp.update(input_overrides)
+  return ml_collections.ConfigDict({"input": inp})
+
+
+def test_from_config_reads_and_validates_new_keys():
+  opts = transforms.TransformOptions.from_config(_config())
+  assert opts.min_visible_fraction == 0.0 and opts.color_jitter == 0.0
+  opts = transforms.TransformOptions.from_config(
+      _config(min_visible_fraction=0.25, color_jitter=1.0))
+  assert opts.min_visible_fraction == 0.25 and opts.color_jitter == 1.0
+  for key, value in [("min_visible_fraction", -0.1),
+                     ("min_visible_fraction", 1.5),
+                     ("min_visible_fraction", float("nan")),
+                     ("color_jitter", -0.5), ("color_jitter", 2.0)]:
+    with pytest.raises(ValueError,
+                       match=rf"input\.{key} must be in \[0, 1\]") as err:
+      transforms.TransformOptions.from_config(_config(**{key: value}))
+    assert "\n" not in str(err.value)

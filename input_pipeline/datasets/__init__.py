@@ -1,14 +1,21 @@
-"""Dataset registry: name -> prepared TFDS builder and example decoder.
+"""Dataset registry: config.dataset -> prepared, random-access splits.
 
-Known datasets:
+Known datasets (`config.dataset.name`):
   synthetic_shapes  generated locally on first use (input_pipeline/datasets/
                     synthetic_shapes.py); the default, needs no download.
-  coco/2017         TFDS `coco/2017`, which must already be prepared in the
-                    data dir (`tfds build coco/2017 --data_dir=DIR`); this code
-                    never downloads it.
+  coco_json         a COCO-format folder: `dataset.train_json` /
+                    `dataset.train_images` and `dataset.eval_json` /
+                    `dataset.eval_images` (instances JSON + image root), the
+                    format custom data comes in.
+  coco/2017         TFDS `coco/2017`, already prepared in the data dir
+                    (`tfds build coco/2017 --data_dir=DIR`).
+  voc/2007, voc/2012  TFDS Pascal VOC, already prepared likewise; `difficult`
+                    objects are regions to ignore, like COCO crowds.
 
-Both use the TFDS COCO feature layout (`image`, `image/id`, `objects/bbox`
-normalized y0, x0, y1, x1, `objects/label`), so one decoder reads both.
+Every split is converted once into a prepared split (records + index, see
+cache.py) under `dataset.cache_dir` (default DATA_DIR/prepared); later runs
+and every host reuse it. Conversion counts bad records; a source where most
+images are unusable stops with a DatasetError.
 
 Data dir: `config.dataset.data_dir`, or when None `$DETECTOR_DATA_DIR`, or
 `~/.cache/detector/datasets`.
@@ -16,9 +23,11 @@ Data dir: `config.dataset.data_dir`, or when None `$DETECTOR_DATA_DIR`, or
 
 from __future__ import annotations
 
+import collections
 import dataclasses
+import hashlib
 import os
-from typing import Any, Callable
+from typing import Callable
 
 from etils import epath
 import jax
@@ -26,16 +35,15 @@ from jax.experimental import multihost_utils
 import tensorflow as tf
 import tensorflow_datasets as tfds
 
-from input_pipeline import transforms
+from input_pipeline.dataset_errors import DatasetError
+from input_pipeline.datasets import cache
+from input_pipeline.datasets import coco_json
 from input_pipeline.datasets import synthetic_shapes as ss
+from input_pipeline.datasets import tfds_source
 
-
-class DatasetError(ValueError):
-  """A dataset cannot be used as configured; the message says how to fix it."""
-
-
-KNOWN_DATASETS = ("synthetic_shapes", "coco/2017")
+KNOWN_DATASETS = ("synthetic_shapes", "coco_json", "coco/2017", "voc/2007", "voc/2012")
 DEFAULT_DATA_DIR = os.path.join("~", ".cache", "detector", "datasets")
+TRAIN, EVAL = "train", "eval"
 
 # TFDS coco/2017 labels are the 80 used COCO categories in category-id order;
 # COCO's own ids (1-90, with gaps) are what its evaluation files use.
@@ -59,45 +67,6 @@ COCO_CLASS_NAMES = (
     "keyboard", "cell phone", "microwave", "oven", "toaster", "sink",
     "refrigerator", "book", "clock", "vase", "scissors", "teddy bear",
     "hair drier", "toothbrush")
-
-
-@dataclasses.dataclass(frozen=True)
-class DatasetInfo:
-  """What the model and the evaluator need to know about a dataset.
-
-  Attributes:
-    name: registry name, e.g. 'synthetic_shapes'.
-    num_classes: number of contiguous labels 0..num_classes-1.
-    class_names: tuple of num_classes names.
-    label_to_category_id: tuple of num_classes COCO category ids; entry i is
-      the category id of contiguous label i (used in COCO-format files).
-    num_eval_examples: examples in config.dataset.eval_split.
-  """
-
-  name: str
-  num_classes: int
-  class_names: tuple[str, ...]
-  label_to_category_id: tuple[int, ...]
-  num_eval_examples: int
-
-
-@dataclasses.dataclass(frozen=True)
-class _Entry:
-  open_builder: Callable[[Any, str, bool], tfds.core.DatasetBuilder]
-  class_names: tuple[str, ...]
-  label_to_category_id: tuple[int, ...]
-  # Drop `objects/is_crowd` boxes from training/eval targets: a crowd box
-  # marks a region of many instances, not one object to regress.
-  drop_crowd: bool
-
-
-def _check_name(config) -> _Entry:
-  name = config.dataset.name
-  if name not in _REGISTRY:
-    raise DatasetError(
-        f"unknown dataset {name!r}; known datasets: "
-        f"{', '.join(KNOWN_DATASETS)}")
-  return _REGISTRY[name]
 
 
 _tf_configured = False
@@ -140,6 +109,32 @@ def resolve_data_dir(config) -> str:
   return data_dir
 
 
+VOC_CLASS_NAMES = (
+    "aeroplane", "bicycle", "bird", "boat", "bottle", "bus", "car", "cat",
+    "chair", "cow", "diningtable", "dog", "horse", "motorbike", "person",
+    "pottedplant", "sheep", "sofa", "train", "tvmonitor")
+
+
+@dataclasses.dataclass(frozen=True)
+class DatasetInfo:
+  """What the model and the evaluator need to know about a dataset.
+
+  Attributes:
+    name: registry name, e.g. 'synthetic_shapes'.
+    num_classes: number of contiguous labels 0..num_classes-1.
+    class_names: tuple of num_classes names.
+    label_to_category_id: tuple of num_classes category ids; entry i is the
+      category id of contiguous label i (used in COCO-format files).
+    num_eval_examples: usable images in the eval split.
+  """
+
+  name: str
+  num_classes: int
+  class_names: tuple[str, ...]
+  label_to_category_id: tuple[int, ...]
+  num_eval_examples: int
+
+
 def _synthetic_builder(config, data_dir: str, sync: bool):
   ds = config.dataset
   sizes = (int(ds.get("num_train_examples", 4096)),
@@ -171,97 +166,211 @@ def _synthetic_builder(config, data_dir: str, sync: bool):
   return builder
 
 
-def _coco_builder(config, data_dir: str, sync: bool):
-  del config, sync  # Never prepared here, so there is nothing to wait for.
-  error = DatasetError(
-      f"coco/2017 is not prepared in {data_dir}; download it with "
-      f"`tfds build coco/2017 --data_dir={data_dir}` or set "
-      "--config.dataset.data_dir")
-  root = epath.Path(data_dir) / "coco" / "2017"
-  versions = []
-  if root.exists():
-    for d in root.iterdir():
-      if (d / "dataset_info.json").exists():
-        try:
-          versions.append((tfds.core.Version(d.name), d))
-        except ValueError:
-          continue  # Not a version directory (e.g. an incomplete temp dir).
-  if not versions:
-    raise error
-  # Read the prepared files directly: no download code, no network.
-  builder = tfds.builder_from_directory(max(versions)[1])
-  if not builder.is_prepared():
-    raise error
-  return builder
+@dataclasses.dataclass(frozen=True)
+class _TfdsEntry:
+  class_names: tuple[str, ...]
+  category_ids: tuple[int, ...]
+  layout: tfds_source.TfdsLayout
 
 
-_REGISTRY: dict[str, _Entry] = {
-    "synthetic_shapes": _Entry(
-        open_builder=_synthetic_builder,
+_TFDS_DATASETS = {
+    "synthetic_shapes": _TfdsEntry(
         class_names=tuple(ss.CLASS_NAMES),
         # COCO-format files need ids; 0 is avoided as it is no valid COCO id.
-        label_to_category_id=tuple(range(1, len(ss.CLASS_NAMES) + 1)),
-        drop_crowd=False),
-    "coco/2017": _Entry(
-        open_builder=_coco_builder,
-        class_names=COCO_CLASS_NAMES,
-        label_to_category_id=COCO_CATEGORY_IDS,
-        drop_crowd=True),
+        category_ids=tuple(range(1, len(ss.CLASS_NAMES) + 1)),
+        layout=tfds_source.TfdsLayout(image_id_key="image/id", ignore_key=None)),
+    "coco/2017": _TfdsEntry(
+        class_names=COCO_CLASS_NAMES, category_ids=COCO_CATEGORY_IDS,
+        layout=tfds_source.TfdsLayout(image_id_key="image/id", ignore_key="is_crowd")),
+    "voc/2007": _TfdsEntry(
+        class_names=VOC_CLASS_NAMES, category_ids=tuple(range(1, 21)),
+        layout=tfds_source.TfdsLayout(image_id_key=None, ignore_key="is_difficult")),
 }
+_TFDS_DATASETS["voc/2012"] = _TFDS_DATASETS["voc/2007"]
+
+
+def _check_name(config) -> str:
+  name = config.dataset.name
+  if name not in KNOWN_DATASETS:
+    raise DatasetError(
+        f"unknown dataset {name!r}; known datasets: {', '.join(KNOWN_DATASETS)}")
+  return name
+
+
+def _cache_root(config, data_dir: str) -> str:
+  root = config.dataset.get("cache_dir", None)
+  return os.path.abspath(os.path.expanduser(os.fspath(root))) if root else os.path.join(data_dir, "prepared")
+
+
+def coco_json_paths(config, which: str) -> tuple[str, str]:
+  json_key, images_key = f"{which}_json", f"{which}_images"
+  json_path = config.dataset.get(json_key, None)
+  image_root = config.dataset.get(images_key, None)
+  if not json_path or not image_root:
+    raise DatasetError(
+        f"dataset coco_json needs dataset.{json_key} and dataset.{images_key}; "
+        f"pass --config.dataset.{json_key}=PATH/instances.json "
+        f"--config.dataset.{images_key}=PATH/images")
+  return (os.path.abspath(os.path.expanduser(json_path)),
+          os.path.abspath(os.path.expanduser(image_root)))
+
+
+def _fingerprint_file(path: str) -> str:
+  try:
+    stat = os.stat(path)
+  except OSError as e:
+    raise DatasetError(f"cannot read {path}: {e.strerror}; check the path") from e
+  return f"{path}:{stat.st_size}:{stat.st_mtime_ns}"
+
+
+@dataclasses.dataclass(frozen=True)
+class _Plan:
+  """How to obtain one prepared split: where it lives and how to convert it."""
+
+  directory: str
+  fingerprint: str
+  describe: str
+  convert: Callable[[], cache.PreparedSplit]
+
+
+def _plan(config, which: str, sync: bool) -> _Plan:
+  name = _check_name(config)
+  data_dir = resolve_data_dir(config)
+  root = _cache_root(config, data_dir)
+  if name == "coco_json":
+    json_path, image_root = coco_json_paths(config, which)
+    fingerprint = f"coco_json:{_fingerprint_file(json_path)}:{image_root}"
+    digest = hashlib.sha1(fingerprint.encode()).hexdigest()[:12]
+    stem = os.path.splitext(os.path.basename(json_path))[0]
+    directory = os.path.join(root, "coco_json", f"{stem}-{digest}")
+
+    def convert():
+      categories = coco_json.read_categories(json_path)
+      counts = collections.Counter()
+      return cache.write_split(
+          directory, coco_json.iter_examples(json_path, image_root, counts), counts,
+          fingerprint=fingerprint, class_names=categories.class_names,
+          category_ids=categories.category_ids)
+
+    return _Plan(directory, fingerprint, f"{json_path} ({image_root})", convert)
+
+  entry = _TFDS_DATASETS[name]
+  split = config.dataset.train_split if which == TRAIN else config.dataset.eval_split
+  builder = get_builder(config, sync=sync)
+  full_name = builder.info.full_name
+  directory = os.path.join(root, *full_name.split("/"), split.replace("/", "_"))
+  fingerprint = f"tfds:{full_name}:{split}"
+
+  def convert():
+    counts = collections.Counter()
+    try:
+      examples = tfds_source.iter_examples(
+          builder, split, entry.layout, len(entry.class_names), counts)
+      return cache.write_split(directory, examples, counts, fingerprint=fingerprint,
+                               class_names=entry.class_names,
+                               category_ids=entry.category_ids)
+    except (AssertionError, KeyError, ValueError, tf.errors.NotFoundError) as e:
+      if isinstance(e, DatasetError):
+        raise
+      raise DatasetError(
+          f"cannot read split {split!r} of {name} from {data_dir} ({str(e).splitlines()[0][:200]}); "
+          f"prepare it with `tfds build {name} --data_dir={data_dir}` or set "
+          "--config.dataset.data_dir / the split names") from e
+
+  return _Plan(directory, fingerprint, f"{name} split {split!r}", convert)
 
 
 def get_builder(config, *, sync: bool = True) -> tfds.core.DatasetBuilder:
-  """Returns the prepared TFDS builder of `config.dataset.name`.
+  """The TFDS builder of a TFDS dataset (synthetic_shapes: generated on first use).
 
-  The synthetic dataset is generated on first use and reused afterwards. In
-  multi-process runs with `sync=True` (every process must then call this),
-  process 0 prepares it while the others wait at a barrier; pass
-  `sync=False` only from code that runs on one process.
+  coco/2017 and voc are opened from the data dir and never downloaded (see
+  prepare_split for `sync`).
+  """
+  name = _check_name(config)
+  if name not in _TFDS_DATASETS:
+    raise DatasetError(f"dataset {name!r} is not a TFDS dataset")
+  data_dir = resolve_data_dir(config)
+  if name == "synthetic_shapes":
+    return _synthetic_builder(config, data_dir, sync)
+  return tfds.builder(name, data_dir=data_dir)
+
+
+def prepare_split(config, which: str, *, sync: bool = True) -> cache.PreparedSplit:
+  """The prepared `which` ('train' or 'eval') split of `config.dataset`.
+
+  Converts the source on first use. In multi-process runs with `sync=True`
+  (every process must then call this) process 0 converts while the others
+  wait at a barrier; a host that still does not see the split afterwards (no
+  shared filesystem) converts its own identical copy. Pass `sync=False`
+  only from code that runs on one process.
 
   Raises:
-    DatasetError: unknown name, unusable data dir, or coco/2017 not prepared.
+    DatasetError: unknown or misconfigured dataset, unreadable source, or
+      more than input.max_bad_fraction of its images unusable.
   """
-  entry = _check_name(config)
+  if which not in (TRAIN, EVAL):
+    raise ValueError(f"which must be {TRAIN!r} or {EVAL!r}, got {which!r}")
   configure_tf()
-  return entry.open_builder(config, resolve_data_dir(config), sync)
+  plan = _plan(config, which, sync)
+  split = cache.load_split(plan.directory, fingerprint=plan.fingerprint)
+  if split is None:
+    if sync and jax.process_count() > 1:
+      if jax.process_index() == 0:
+        plan.convert()
+      multihost_utils.sync_global_devices(f"prepare {plan.directory}")
+      split = cache.load_split(plan.directory, fingerprint=plan.fingerprint)
+    if split is None:
+      split = plan.convert()
+  max_bad = float((config.get("input", None) or {}).get("max_bad_fraction", 0.5))
+  cache.check_usable(split, what=plan.describe, max_bad_fraction=max_bad)
+  return split
 
 
-def get_decoder(config) -> Callable[[dict], dict]:
-  """Returns a tf function: raw TFDS example -> transforms.decode_example()."""
-  entry = _check_name(config)
+def eval_ground_truth(config) -> dict:
+  """COCO-format ground truth of the eval split, in original image pixels.
 
-  def decode(example):
-    return transforms.decode_example(example, drop_crowd=entry.drop_crowd)
-
-  return decode
+  A COCO-format folder is evaluated against the user's own JSON (annotations
+  that conversion dropped as unusable left out, missing `area` / `iscrowd`
+  filled in as COCO defines them); other sources against their prepared
+  split, with crowd / difficult regions as iscrowd=1 so COCO evaluation
+  ignores detections on them. Runs on one process and never waits for
+  others: call it after the splits are prepared.
+  """
+  if _check_name(config) == "coco_json":
+    return coco_json.load_ground_truth(coco_json_paths(config, EVAL)[0])
+  return cache.ground_truth(prepare_split(config, EVAL, sync=False))
 
 
 def class_names(config) -> tuple[str, ...]:
-  """Class names of `config.dataset`, label order, without reading or preparing any data."""
-  return tuple(_check_name(config).class_names)
+  """Class names of `config.dataset`, label order, without converting any data."""
+  name = _check_name(config)
+  if name == "coco_json":
+    return coco_json.read_categories(coco_json_paths(config, TRAIN)[0]).class_names
+  return _TFDS_DATASETS[name].class_names
 
 
 def get_dataset_info(config, *, sync: bool = True) -> DatasetInfo:
   """Class names, category ids and eval size of `config.dataset`.
 
-  Prepares the dataset if needed (see get_builder for `sync`).
+  Prepares both splits if needed (see prepare_split for `sync`).
+
+  Raises:
+    DatasetError: as prepare_split, or train and eval splits whose categories
+      differ.
   """
-  entry = _check_name(config)
-  builder = get_builder(config, sync=sync)
-  names = entry.class_names
-  try:
-    num_eval = builder.info.splits[config.dataset.eval_split].num_examples
-  except (KeyError, ValueError) as e:
+  train = prepare_split(config, TRAIN, sync=sync)
+  evaluation = prepare_split(config, EVAL, sync=sync)
+  if (train.category_ids, train.class_names) != (evaluation.category_ids, evaluation.class_names):
     raise DatasetError(
-        f"eval split {config.dataset.eval_split!r} not found in "
-        f"{config.dataset.name}; available: {list(builder.info.splits)}"
-    ) from e
+        f"train and eval categories differ ({len(train.category_ids)} vs "
+        f"{len(evaluation.category_ids)} categories); both JSON files must list "
+        "the same categories with the same ids")
   return DatasetInfo(
       name=config.dataset.name,
-      num_classes=len(names),
-      class_names=tuple(names),
-      label_to_category_id=entry.label_to_category_id,
-      num_eval_examples=int(num_eval),
+      num_classes=len(train.class_names),
+      class_names=train.class_names,
+      label_to_category_id=train.category_ids,
+      num_eval_examples=evaluation.num_records,
   )
 
 
@@ -270,11 +379,16 @@ __all__ = [
     "COCO_CLASS_NAMES",
     "DatasetError",
     "DatasetInfo",
+    "EVAL",
     "KNOWN_DATASETS",
+    "TRAIN",
+    "VOC_CLASS_NAMES",
     "class_names",
     "configure_tf",
+    "coco_json_paths",
+    "eval_ground_truth",
     "get_builder",
     "get_dataset_info",
-    "get_decoder",
+    "prepare_split",
     "resolve_data_dir",
 ]
