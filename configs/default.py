@@ -90,6 +90,8 @@ def get_config() -> ml_collections.ConfigDict:
     # the images cannot be used.
     config.input.max_bad_fraction = 0.5
     config.input.prefetch = 2
+    # tf.data threads per process; None: half the host's cores, at most 16.
+    config.input.num_threads = ml_collections.FieldReference(None, field_type=int)
 
     config.model = ml_collections.ConfigDict()
     config.model.dtype = "float32"  # compute dtype: "bfloat16" for mixed precision (params stay float32)
