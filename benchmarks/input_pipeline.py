@@ -23,10 +23,16 @@ from __future__ import annotations
 
 import json
 import os
+import sys
 import tempfile
 import time
 
 from absl import app, flags
+
+# Run as a script, this file's directory comes first on sys.path and its name
+# would shadow the `input_pipeline` package it measures.
+_HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path[:] = [p for p in sys.path if os.path.abspath(p or os.curdir) != _HERE]
 
 _BATCHES = flags.DEFINE_integer("batches", 20, "Timed batches per pipeline (after 3 warm-up batches).")
 _THREADS = flags.DEFINE_multi_integer("threads", [0], "tf.data threads per pipeline (0: the config's default).")
@@ -89,6 +95,7 @@ def main(argv: list[str]) -> None:
     import input_pipeline
 
     root = _WORKDIR.value or tempfile.mkdtemp(prefix="input_bench_")
+    os.makedirs(root, exist_ok=True)
     rows = []
     for name in _PIPELINES.value:
         config = _config(name, root)
