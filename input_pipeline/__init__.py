@@ -10,11 +10,13 @@ Public API:
   process_rows(sharding, global_batch_size) -> first row this process holds
   get_dataset_info(config) -> DatasetInfo
   prepare_split(config, 'train' | 'eval') -> PreparedSplit (with counts)
+  format_counts({name: PreparedSplit}) -> markdown table of the counts
   DatasetError: raised for unusable datasets and configs.
 """
 
 from input_pipeline.dataset_errors import DatasetError
 from input_pipeline.datasets import DatasetInfo
+from input_pipeline.datasets.cache import format_counts
 from input_pipeline.datasets import eval_ground_truth as coco_ground_truth
 from input_pipeline.datasets import get_dataset_info
 from input_pipeline.datasets import prepare_split
@@ -36,6 +38,7 @@ __all__ = [
     "coco_ground_truth",
     "create_eval_iterator",
     "create_train_iterator",
+    "format_counts",
     "get_dataset_info",
     "local_batch_size",
     "prepare_split",

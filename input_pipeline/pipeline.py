@@ -327,7 +327,7 @@ class TrainIterator:
     failed = self.input_counts.counts["decode_failed"]
     if seen >= _MIN_EXAMPLES_FOR_BAD_CHECK and failed > self._max_bad_fraction * seen:
       raise DatasetError(
-          f"{failed} of the last {seen} training images could not be decoded "
+          f"{failed} of the {seen} training images read so far could not be decoded "
           "(corrupt or truncated files); fix the data or raise "
           f"input.max_bad_fraction (now {self._max_bad_fraction})")
     return batch

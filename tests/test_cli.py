@@ -40,7 +40,16 @@ def _cases(tmp: pathlib.Path) -> dict[str, dict]:
             patterns=[r"--config\.model\.no_such_key\b", r"(?i)unknown|does not exist|no such key|not a (known|valid)"]),
         "coco_not_prepared": dict(
             args=["--config.dataset.name=coco/2017", f"--config.dataset.data_dir={empty_dir}"], code=1,
-            patterns=[re.escape(f"coco/2017 is not prepared in {empty_dir}"), r"tfds build coco/2017"]),
+            patterns=[re.escape(f"cannot read split 'train' of coco/2017 from {empty_dir}"), r"tfds build coco/2017"]),
+        "coco_json_without_paths": dict(
+            args=["--config.dataset.name=coco_json", f"--config.dataset.data_dir={empty_dir}"], code=1,
+            patterns=[r"dataset coco_json needs dataset\.train_json and dataset\.train_images",
+                      r"--config\.dataset\.train_json=PATH"]),
+        "coco_json_missing_file": dict(
+            args=["--config.dataset.name=coco_json", f"--config.dataset.data_dir={empty_dir}",
+                  f"--config.dataset.train_json={tmp}/nope.json", f"--config.dataset.train_images={tmp}",
+                  f"--config.dataset.eval_json={tmp}/nope.json", f"--config.dataset.eval_images={tmp}"], code=1,
+            patterns=[re.escape(f"{tmp}/nope.json"), r"does not exist"]),
         "data_dir_parent_missing": dict(
             args=[f"--config.dataset.data_dir={missing_parent}"], code=1,
             patterns=[re.escape(f"parent directory {missing_parent.parent} does not exist")]),
@@ -53,7 +62,8 @@ def _cases(tmp: pathlib.Path) -> dict[str, dict]:
 
 
 CASE_NAMES = ["wrong_mesh", "indivisible_batch", "unknown_config_key", "unknown_nested_config_key",
-              "coco_not_prepared", "data_dir_parent_missing", "config_file_missing"]
+              "coco_not_prepared", "coco_json_without_paths", "coco_json_missing_file", "data_dir_parent_missing",
+              "config_file_missing"]
 
 
 @pytest.fixture(scope="module")

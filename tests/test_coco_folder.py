@@ -9,6 +9,7 @@ import input_pipeline
 from coco_folders import CATEGORY_IDS, coco_json_overrides, write_folder
 from detector import evaluation, train
 from test_pipeline import make_config as make_pipeline_config
+from test_train import compilation_cache_dir  # noqa: F401  (autouse: shares test_train's compiled programs)
 from test_train import make_config as make_train_config
 
 
@@ -72,17 +73,18 @@ def test_perfect_predictions_score_one_against_the_users_json(folder_config):
 
 def test_trains_and_evaluates_on_a_coco_folder(tmp_path):
     overrides = coco_json_overrides(tmp_path / "folder", num_train=16, num_eval=8)
-    config = make_train_config(tmp_path / "data", total_steps=2, eval_every_steps=2, **overrides)
+    # test_train's reference program (same model, batch and schedule): compiled once per test run.
+    config = make_train_config(tmp_path / "data", **overrides)
     metrics = train.train_and_evaluate(config, str(tmp_path / "run"))
     assert set(metrics) >= {"AP", "AP50", "AR100"} and all(np.isfinite(list(metrics.values())))
     report = json.loads((tmp_path / "run" / "data_report.json").read_text())
     assert report["dataset"] == "coco_json"
     assert report["train"]["conversion"]["crowd_box"] == 6
     assert report["train"]["conversion"]["no_annotations"] == 1
-    assert report["train"]["streaming"]["examples"] == 2 * config.global_batch_size
+    assert report["train"]["streaming"]["examples"] == config.total_steps * config.global_batch_size
     assert report["eval"]["streaming"]["examples"] == 8
     eval_lines = [json.loads(line) for line in (tmp_path / "run" / "eval_metrics.jsonl").read_text().splitlines()]
-    assert [line["step"] for line in eval_lines] == [2]
+    assert [line["step"] for line in eval_lines] == [config.total_steps]
 
 
 def test_images_without_annotations_can_be_left_out(tmp_path):
@@ -96,3 +98,11 @@ def test_images_without_annotations_can_be_left_out(tmp_path):
     for _ in range(4):  # 4 batches of 8 = 5+ epochs of the 6 positive images
         seen.update(next(iterator)["image_id"].tolist())
     assert seen == {100 + 7 * i for i in range(8)} - {107, 114}
+
+
+def test_conversion_counts_table(folder_config):
+    splits = {which: input_pipeline.prepare_split(folder_config, which) for which in ("train", "eval")}
+    table = input_pipeline.format_counts(splits)
+    assert "| crowd_box | 6 | 3 |" in table  # train: indices 0, 3, .., 15; eval: 0, 3, 6
+    assert "| no_annotations | 1 | 1 |" in table
+    assert "train: 16 records in" in table and "eval: 9 records in" in table

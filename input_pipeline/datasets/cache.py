@@ -260,3 +260,13 @@ def ground_truth(split: PreparedSplit) -> dict:
   categories = [{"id": int(c), "name": n}
                 for c, n in zip(split.category_ids, split.class_names)]
   return {"images": images, "annotations": annotations, "categories": categories}
+
+
+def format_counts(splits: dict[str, PreparedSplit]) -> str:
+  """Markdown table of the conversion counts of named splits, then where each lives."""
+  names = list(splits)
+  keys = sorted(set().union(*(s.counts for s in splits.values())))
+  lines = ["| count | " + " | ".join(names) + " |", "|---" * (len(names) + 1) + "|"]
+  lines += [f"| {k} | " + " | ".join(str(splits[n].counts.get(k, 0)) for n in names) + " |" for k in keys]
+  lines += ["", *(f"{n}: {splits[n].num_records} records in {splits[n].directory}" for n in names)]
+  return "\n".join(lines)
