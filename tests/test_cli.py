@@ -49,7 +49,7 @@ def _cases(tmp: pathlib.Path) -> dict[str, dict]:
             args=["--config.dataset.name=coco_json", f"--config.dataset.data_dir={empty_dir}",
                   f"--config.dataset.train_json={tmp}/nope.json", f"--config.dataset.train_images={tmp}",
                   f"--config.dataset.eval_json={tmp}/nope.json", f"--config.dataset.eval_images={tmp}"], code=1,
-            patterns=[re.escape(f"{tmp}/nope.json"), r"does not exist"]),
+            patterns=[re.escape(f"{tmp}/nope.json"), r"does not exist", r"--config\.dataset\.train_json"]),
         "data_dir_parent_missing": dict(
             args=[f"--config.dataset.data_dir={missing_parent}"], code=1,
             patterns=[re.escape(f"parent directory {missing_parent.parent} does not exist")]),

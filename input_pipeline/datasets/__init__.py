@@ -215,11 +215,13 @@ def coco_json_paths(config, which: str) -> tuple[str, str]:
           os.path.abspath(os.path.expanduser(image_root)))
 
 
-def _fingerprint_file(path: str) -> str:
+def _fingerprint_file(path: str, key: str) -> str:
   try:
     stat = os.stat(path)
+  except FileNotFoundError as e:
+    raise DatasetError(f"COCO annotations file {path} does not exist; check --config.dataset.{key}") from e
   except OSError as e:
-    raise DatasetError(f"cannot read {path}: {e.strerror}; check the path") from e
+    raise DatasetError(f"cannot read {path} ({e.strerror}); check --config.dataset.{key}") from e
   return f"{path}:{stat.st_size}:{stat.st_mtime_ns}"
 
 
@@ -239,7 +241,7 @@ def _plan(config, which: str, sync: bool) -> _Plan:
   root = _cache_root(config, data_dir)
   if name == "coco_json":
     json_path, image_root = coco_json_paths(config, which)
-    fingerprint = f"coco_json:{_fingerprint_file(json_path)}:{image_root}"
+    fingerprint = f"coco_json:{_fingerprint_file(json_path, f'{which}_json')}:{image_root}"
     digest = hashlib.sha1(fingerprint.encode()).hexdigest()[:12]
     stem = os.path.splitext(os.path.basename(json_path))[0]
     directory = os.path.join(root, "coco_json", f"{stem}-{digest}")
