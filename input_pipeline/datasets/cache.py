@@ -31,6 +31,7 @@ import json
 import logging
 import os
 import shutil
+import threading
 import uuid
 from typing import Iterable, Sequence
 
@@ -104,6 +105,10 @@ class RecordReader:
   def __init__(self, shard_paths: Sequence[str]):
     self._source = array_record_data_source.ArrayRecordDataSource(
         [os.fspath(p) for p in shard_paths])
+    # tf.data calls read() from several threads; the data source opens its
+    # file readers lazily and is not documented as thread-safe. Reads are
+    # batched and cheap next to decoding, so serializing them costs little.
+    self._lock = threading.Lock()
 
   def __len__(self) -> int:
     return len(self._source)
@@ -112,7 +117,8 @@ class RecordReader:
     """object [n] of bytes: the serialized records `record_ids` (int [n])."""
     ids = [int(i) for i in np.asarray(record_ids).reshape(-1)]
     out = np.empty(len(ids), dtype=object)
-    out[:] = self._source.__getitems__(ids) if ids else []
+    with self._lock:
+      out[:] = self._source.__getitems__(ids) if ids else []
     return out
 
 
