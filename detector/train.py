@@ -215,8 +215,9 @@ class _DataReport:
     """What the input pipeline skipped, converted, clipped or masked: logged and kept in WORKDIR/data_report.json.
 
     Conversion counts come from the prepared splits (the same on every host);
-    streaming counts (undecodable images masked, boxes cut at max_boxes) are
-    summed over processes, so every process must call `update` together.
+    streaming counts (undecodable images masked, boxes cut at max_boxes) cover
+    this run since it (re)started, summed over processes, so every process
+    must call `update` together.
     """
 
     def __init__(self, config: ml_collections.ConfigDict, workdir: epath.Path, *, enabled: bool):
@@ -228,10 +229,10 @@ class _DataReport:
             counts = dict(sorted(split.counts.items()))
             self._report[which] = {"prepared_split": split.directory, "records": split.num_records,
                                    "conversion": counts, "streaming": {}}
-            problems = {k: v for k, v in counts.items()
-                        if v and k not in ("images", "usable_images", "annotations")}
+            handled = {k: v for k, v in counts.items() if v and k not in ("images", "usable_images", "annotations")}
             logging.info("%s data: %d usable of %d images; %s", which, split.num_records,
-                         counts.get("images", split.num_records), problems or "no problems found")
+                         counts.get("images", split.num_records),
+                         f"handled: {handled}" if handled else "nothing skipped, dropped or converted")
         self._write()
 
     def update(self, which: str, input_counts: input_pipeline.InputCounts) -> None:
@@ -240,8 +241,9 @@ class _DataReport:
         # Same keys on every process (the pipeline's REPORT_KEYS): sum over hosts.
         total = np.asarray(multihost_utils.process_allgather(local)).reshape(-1, local.size).sum(axis=0)
         streaming = {"examples": int(total[0]), **{k: int(v) for k, v in zip(keys, total[1:])}}
-        if any(streaming[k] for k in keys) and streaming != self._report[which]["streaming"]:
-            logging.warning("%s input: %s", which, streaming)
+        before = self._report[which]["streaming"]
+        if any(streaming[k] > before.get(k, 0) for k in keys):
+            logging.warning("%s input since this run started: %s", which, streaming)
         self._report[which]["streaming"] = streaming
         self._write()
 

@@ -154,6 +154,8 @@ def _guarded(transform, opts: transforms.TransformOptions):
   tf.data cannot catch an op error inside a map function, but a one-element
   dataset with ignore_errors() can: it yields the result, or nothing and the
   fallback that follows it. Slots never move, so batches keep their rows.
+  Any error lands here, not only undecodable bytes; the iterators' check on
+  the decode_failed fraction stops a run where that would hide a bug.
   """
 
   def process(position, record_id, serialized):
@@ -183,7 +185,7 @@ def _build(config, positions: tf.data.Dataset, record_of_position, reader,
   ds = positions.map(read, num_parallel_calls=tf.data.AUTOTUNE)
   ds = ds.unbatch()
   ds = ds.interleave(
-      lambda p, r, s: _guarded(transform, opts)(p, r, s),
+      _guarded(transform, opts),
       cycle_length=max(2, int(_options(config).threading.private_threadpool_size)),
       num_parallel_calls=tf.data.AUTOTUNE, deterministic=True)
   ds = ds.batch(batch, drop_remainder=True)
