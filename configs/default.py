@@ -134,5 +134,8 @@ def get_config() -> ml_collections.ConfigDict:
     config.eval_every_steps = 500
     config.checkpoint_every_steps = 500
     config.keep_checkpoints = 3
+    # Steps with a non-finite loss or gradient are skipped on device and counted;
+    # this many in a row stop training with an error (0: never stop).
+    config.max_consecutive_nonfinite = 10
     config.eval_batch_size = 32
     return config

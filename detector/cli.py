@@ -13,14 +13,15 @@ from collections.abc import Callable, Sequence
 
 from absl import app, flags
 
-from detector.errors import ConfigError
+from detector.errors import ConfigError, TrainingError
 from input_pipeline import DatasetError
 from sharding import MeshError
 
 flags.DEFINE_bool("verbose", False, "Show full tracebacks for errors.")
 
 # Errors that describe bad input, not bugs: reported as one line.
-USER_ERRORS = (ConfigError, DatasetError, MeshError, FileNotFoundError, NotADirectoryError, PermissionError)
+USER_ERRORS = (ConfigError, DatasetError, MeshError, TrainingError, FileNotFoundError, NotADirectoryError,
+               PermissionError)
 
 EXIT_USAGE = 2
 EXIT_ERROR = 1

@@ -3,3 +3,7 @@
 
 class ConfigError(ValueError):
     """A config value is invalid; the message names the key and a valid choice."""
+
+
+class TrainingError(RuntimeError):
+    """Training cannot go on (e.g. repeated non-finite steps); the message says why and what to change."""

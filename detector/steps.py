@@ -58,21 +58,38 @@ def loss_fn(params, batch: dict[str, jax.Array], *, model: nn.Module, anchors: n
 def train_step(state: TrainState, batch: dict[str, jax.Array], *, model: nn.Module,
                tx: optax.GradientTransformation, schedule: optax.Schedule, anchors: np.ndarray,
                loss_config, num_classes: int) -> tuple[TrainState, dict[str, jax.Array]]:
-    """One optimizer step on a global batch. Returns (new_state, scalar metrics)."""
+    """One optimizer step on a global batch. Returns (new_state, scalar metrics).
+
+    When the loss or the gradient is not finite, parameters and optimizer
+    state are returned unchanged and metrics['nonfinite'] is 1.
+    """
     grad_fn = jax.value_and_grad(
         functools.partial(loss_fn, model=model, anchors=anchors, loss_config=loss_config,
                           num_classes=num_classes),
         has_aux=True)
     (loss, terms), grads = grad_fn(state.params, batch)
-    updates, opt_state = tx.update(grads, state.opt_state, state.params)
-    params = optax.apply_updates(state.params, updates)
+    grad_norm = optax.tree.norm(grads)
+    updates, new_opt_state = tx.update(grads, state.opt_state, state.params)
+    new_params = optax.apply_updates(state.params, updates)
+    # A non-finite loss or gradient (a bad batch, an overflow) must not reach
+    # the parameters: the update is skipped on device, without a host sync.
+    # The step counter still advances, since the batch was consumed and the
+    # input position and schedule follow the step.
+    finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
+
+    def keep_if_finite(new, old):
+        return jnp.where(finite, new, old)
+
+    params = jax.tree.map(keep_if_finite, new_params, state.params)
+    opt_state = jax.tree.map(keep_if_finite, new_opt_state, state.opt_state)
     metrics = {
         "loss": loss,
         "cls_loss": terms["cls_loss"],
         "box_loss": terms["box_loss"],
         "num_positives": terms["num_positives"].astype(jnp.float32),
-        "grad_norm": optax.tree.norm(grads),
+        "grad_norm": grad_norm,
         "learning_rate": schedule(state.step),
+        "nonfinite": jnp.logical_not(finite).astype(jnp.float32),
     }
     return state.replace(step=state.step + 1, params=params, opt_state=opt_state), metrics
 

@@ -14,7 +14,6 @@ from __future__ import annotations
 import functools
 import json
 import logging as pylogging
-import math
 import time
 
 import flax.linen as nn
@@ -29,7 +28,7 @@ from ml_collections import config_flags
 import input_pipeline
 import sharding
 from detector import checkpointing, cli, evaluation, optim, steps
-from detector.errors import ConfigError
+from detector.errors import ConfigError, TrainingError
 from detector.metric_writers import MetricWriter
 from detector.retinanet import create_model
 from detector.train_state import count_params, init_train_state
@@ -159,6 +158,7 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict[
         # Training loop.
         # --------------------------------------------------------------------
         total_steps = config.total_steps
+        nonfinite = _NonFiniteSteps(int(config.max_consecutive_nonfinite))
         last_metrics = None
         pending: list[dict[str, jax.Array]] = []
         window_start, window_wait, window_steps = time.perf_counter(), 0.0, 0
@@ -174,7 +174,11 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict[
                 # The only host sync of the loop: fetch the window's metrics at once.
                 fetched = jax.device_get(pending)
                 elapsed = time.perf_counter() - window_start
-                summary = {k: float(np.mean([m[k] for m in fetched])) for k in fetched[0]}
+                nonfinite.observe(step - len(fetched) + 1, [bool(m["nonfinite"]) for m in fetched])
+                # Loss terms of the steps that updated the model; skipped steps are counted instead.
+                good = [m for m in fetched if not m["nonfinite"]] or fetched
+                summary = {k: float(np.mean([m[k] for m in good])) for k in fetched[0] if k != "nonfinite"}
+                summary["skipped_steps"] = float(sum(m["nonfinite"] for m in fetched))
                 summary["learning_rate"] = float(fetched[-1]["learning_rate"])
                 summary["images_per_second"] = window_steps * config.global_batch_size / elapsed
                 summary["step_time_s"] = elapsed / window_steps
@@ -185,8 +189,6 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict[
                     "input wait %.0f%% | ETA %s", step, total_steps, summary["loss"], summary["cls_loss"],
                     summary["box_loss"], summary["learning_rate"], summary["grad_norm"],
                     summary["images_per_second"], 100 * summary["input_wait_fraction"], _format_duration(eta))
-                if not math.isfinite(summary["loss"]):
-                    logging.warning("non-finite loss at step %d", step)
                 writer.write_train(step, summary)
                 data_report.update("train", train_iter.input_counts)
                 pending.clear()
@@ -209,6 +211,32 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict[
     if is_primary and last_metrics is not None:
         logging.info("final COCO metrics: %s", json.dumps({k: round(v, 4) for k, v in last_metrics.items()}))
     return last_metrics
+
+
+class _NonFiniteSteps:
+    """Counts steps the train step skipped for a non-finite loss or gradient; stops after too many in a row."""
+
+    def __init__(self, max_consecutive: int):
+        self.max_consecutive = max_consecutive  # 0: never stop, only skip and count
+        self.total = 0
+        self._run_start, self._run_length = None, 0
+
+    def observe(self, first_step: int, skipped: list[bool]) -> None:
+        """Takes the skipped flags of steps first_step, first_step + 1, ...; raises TrainingError if too many in a row."""
+        for step, was_skipped in enumerate(skipped, start=first_step):
+            if not was_skipped:
+                self._run_start, self._run_length = None, 0
+                continue
+            self.total += 1
+            self._run_start = step if self._run_start is None else self._run_start
+            self._run_length += 1
+            logging.warning("step %d: non-finite loss or gradient; update skipped (%d skipped so far)", step, self.total)
+            if self.max_consecutive and self._run_length >= self.max_consecutive:
+                raise TrainingError(
+                    f"{self._run_length} consecutive steps ({self._run_start}-{step}) had a non-finite loss or "
+                    "gradient and were skipped; the parameters and checkpoints still hold the last good state. "
+                    "Lower optimizer.learning_rate, set optimizer.grad_clip_norm, check the data, or raise "
+                    "max_consecutive_nonfinite (0 never stops)")
 
 
 class _DataReport:

@@ -28,6 +28,7 @@ import input_pipeline
 import sharding
 from configs import default
 from detector import checkpointing, optim, steps, train
+from detector.errors import TrainingError
 from detector.retinanet import create_model
 from detector.train_state import describe_param_shardings, state_shardings
 from sharded_training import assert_same_training, train_on_mesh
@@ -258,6 +259,58 @@ def test_interrupted_run_resumes_exactly(reference_run, tmp_path, monkeypatch):
         np.testing.assert_allclose(resumed_params[name], reference_params[name], rtol=1e-5, atol=1e-7, err_msg=name)
     for expected, actual in zip(jax.tree.leaves(reference.opt_state), jax.tree.leaves(resumed.opt_state)):
         np.testing.assert_allclose(actual, expected, rtol=1e-5, atol=1e-7)
+
+
+def _poison_steps(monkeypatch, bad_steps):
+    """Makes the training batches of `bad_steps` (1-based) all-NaN images, as a corrupt batch would."""
+    real_create_train_iterator = input_pipeline.create_train_iterator
+
+    class Poisoned:
+        def __init__(self, batches, global_batch_size):
+            self.batches, self.global_batch_size = batches, global_batch_size
+
+        position = property(lambda self: self.batches.position)
+        input_counts = property(lambda self: self.batches.input_counts)
+
+        def __next__(self):
+            batch = next(self.batches)
+            if self.batches.position // self.global_batch_size in bad_steps:
+                batch = dict(batch, image=np.full_like(batch["image"], np.nan))
+            return batch
+
+    monkeypatch.setattr(input_pipeline, "create_train_iterator", lambda config, **kwargs: Poisoned(
+        real_create_train_iterator(config, **kwargs), config.global_batch_size))
+
+
+def _optimizer_counters(state):
+    return [int(x) for x in jax.tree.leaves(state.opt_state) if np.ndim(x) == 0 and np.issubdtype(x.dtype, np.integer)]
+
+
+def test_a_nonfinite_step_is_skipped_and_training_continues(reference_run, tmp_path, monkeypatch):
+    config = reference_run.config
+    _poison_steps(monkeypatch, {3})
+    metrics = train.train_and_evaluate(config, str(tmp_path))
+    lines = read_jsonl(tmp_path / "train_metrics.jsonl")
+    assert [line["skipped_steps"] for line in lines] == [0, 1]
+    assert all(math.isfinite(line["loss"]) for line in lines)  # averaged over the steps that updated
+    state, _, step = restore_latest(tmp_path, config)
+    assert step == 4 and int(state.step) == 4  # the batch was consumed, the step counted
+    assert set(_optimizer_counters(state)) == {3}  # exactly one update skipped; steps 1, 2 and 4 applied
+    assert all(np.isfinite(v).all() for v in flat(state.params).values())
+    assert metrics is not None and all(math.isfinite(v) for v in metrics.values())
+
+
+def test_repeated_nonfinite_steps_stop_and_keep_the_last_good_checkpoint(reference_run, tmp_path, monkeypatch):
+    config = make_config(reference_run.config.dataset.data_dir, max_consecutive_nonfinite=2)
+    _poison_steps(monkeypatch, {3, 4})
+    with pytest.raises(TrainingError, match=r"2 consecutive steps \(3-4\) had a non-finite loss"):
+        train.train_and_evaluate(config, str(tmp_path))
+    assert checkpoint_steps(tmp_path) == [2]  # nothing saved after the bad steps
+    state, _, _ = restore_latest(tmp_path, config)
+    reference, _, _ = restore_latest(reference_run.workdir, config)
+    assert set(_optimizer_counters(state)) == {2}
+    assert all(np.isfinite(v).all() for v in flat(state.params).values())
+    assert flat(state.params).keys() == flat(reference.params).keys()
 
 
 @pytest.fixture(scope="module")
