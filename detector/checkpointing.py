@@ -20,14 +20,28 @@ from detector.train_state import TrainState
 
 STATE_ITEM = "state"
 METADATA_ITEM = "metadata"
+PARAMS_ITEM = "params"
+BEST_METRIC = "AP"
+
+
+def _absolute(workdir: str) -> epath.Path:
+    """Orbax refuses relative paths (`--workdir=runs/x`); gs:// and friends are absolute already."""
+    return epath.Path(workdir if "://" in str(workdir) else os.path.abspath(workdir))
 
 
 def checkpoint_dir(workdir: str) -> epath.Path:
-    """`WORKDIR/checkpoints`, absolute: Orbax refuses relative paths (`--workdir=runs/x`)."""
-    path = epath.Path(workdir)
-    if "://" not in str(workdir):  # local paths only; gs:// and friends are absolute already
-        path = epath.Path(os.path.abspath(workdir))
-    return path / "checkpoints"
+    """`WORKDIR/checkpoints`: the full train state, keep-last-K."""
+    return _absolute(workdir) / "checkpoints"
+
+
+def best_dir(workdir: str) -> epath.Path:
+    """`WORKDIR/best/STEP/params`: parameters of the evaluation with the highest COCO AP."""
+    return _absolute(workdir) / "best"
+
+
+def export_dir(workdir: str) -> epath.Path:
+    """`WORKDIR/export/params`: the final parameters alone, for inference."""
+    return _absolute(workdir) / "export"
 
 
 def create_manager(workdir: str, *, max_to_keep: int) -> ocp.CheckpointManager:
@@ -81,3 +95,48 @@ def input_position(metadata: dict[str, Any], step: int, global_batch_size: int) 
     if "input_position" in metadata:
         return int(metadata["input_position"])
     return int(step) * int(global_batch_size)
+
+
+def create_best_manager(workdir: str) -> ocp.CheckpointManager:
+    """Keeps the parameters of the single best evaluation (highest COCO AP) under `best_dir`."""
+    options = ocp.CheckpointManagerOptions(
+        max_to_keep=1, best_fn=lambda metrics: metrics[BEST_METRIC], best_mode="max",
+        keep_checkpoints_without_metrics=False, enable_async_checkpointing=False, create=True)
+    return ocp.CheckpointManager(best_dir(workdir), options=options, item_names=(PARAMS_ITEM,))
+
+
+def save_if_best(manager: ocp.CheckpointManager, step: int, params: Any, ap: float) -> None:
+    """Offers `params` evaluated at `step` with COCO `ap`; Orbax keeps only the best one.
+
+    Every process must call this with the same `ap` (checkpointing is collective).
+    """
+    manager.save(step, args=ocp.args.Composite(**{PARAMS_ITEM: ocp.args.StandardSave(params)}),
+                 metrics={BEST_METRIC: float(ap)}, force=True)
+
+
+def restore_best(workdir: str) -> tuple[int, Any] | None:
+    """(step, parameters as numpy arrays) of the best evaluation saved in `workdir`, or None."""
+    manager = create_best_manager(workdir)
+    try:
+        step = manager.best_step()
+        if step is None:
+            return None
+        restored = manager.restore(step, args=ocp.args.Composite(**{PARAMS_ITEM: ocp.args.StandardRestore()}))
+        return step, restored[PARAMS_ITEM]
+    finally:
+        manager.close()
+
+
+def export_params(workdir: str, params: Any) -> epath.Path:
+    """Writes the parameters alone to `export_dir(workdir)/params` (replacing an older export); returns the path.
+
+    Load for inference with `orbax.checkpoint.StandardCheckpointer().restore(path)` (numpy
+    arrays), or with a target tree to place them on devices.
+    """
+    path = export_dir(workdir) / PARAMS_ITEM
+    checkpointer = ocp.StandardCheckpointer()
+    checkpointer.save(path, params, force=True)
+    checkpointer.wait_until_finished()
+    checkpointer.close()
+    logging.info("exported parameters to %s", path)
+    return path

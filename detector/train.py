@@ -117,6 +117,7 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict[
     # State: resume from the newest checkpoint, or initialise sharded.
     # ------------------------------------------------------------------------
     manager = checkpointing.create_manager(workdir, max_to_keep=config.keep_checkpoints)
+    best_manager = checkpointing.create_best_manager(workdir)
     restored = checkpointing.restore_latest(manager, abstract_state)
     if restored is None:
         state = init_train_state(model, tx, image_size, state_shardings_tree, jax.random.key(config.seed))
@@ -147,6 +148,9 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict[
                                       ground_truth=ground_truth,
                                       label_to_category_id=dataset_info.label_to_category_id)
         data_report.update("eval", eval_iter.input_counts)
+        # Only process 0 scores; every process takes part in saving the best parameters.
+        ap = float(multihost_utils.broadcast_one_to_all(np.float32(metrics["AP"] if metrics else 0.0)))
+        checkpointing.save_if_best(best_manager, step, state.params, ap)
         if metrics is not None:
             summary = {k: metrics[k] for k in ("AP", "AP50", "AP75", "APs", "APm", "APl", "AR100")}
             logging.info("eval step %d: %s", step, " ".join(f"{k} {v:.3f}" for k, v in summary.items()))
@@ -203,10 +207,12 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict[
         if start_step >= total_steps:
             logging.info("workdir already holds a checkpoint at step %d >= total_steps; evaluating it", start_step)
             last_metrics = run_eval(start_step)
+        checkpointing.export_params(workdir, state.params)
     finally:
         # Let an in-flight async save finish so the newest checkpoint is complete.
         manager.wait_until_finished()
         manager.close()
+        best_manager.close()
         writer.close()
     if is_primary and last_metrics is not None:
         logging.info("final COCO metrics: %s", json.dumps({k: round(v, 4) for k, v in last_metrics.items()}))

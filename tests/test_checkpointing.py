@@ -27,3 +27,29 @@ def test_keeps_the_last_k(tmp_path):
     restored, _ = checkpointing.restore_latest(manager, {"w": jnp.zeros((2,))})
     np.testing.assert_array_equal(restored["w"], [3.0, 3.0])
     manager.close()
+
+
+def test_keeps_only_the_best_evaluation(tmp_path):
+    manager = checkpointing.create_best_manager(str(tmp_path))
+    offers = {1: 0.30, 2: 0.52, 3: 0.41, 4: 0.12}  # step -> AP; step 2 is the best, not the last
+    for step, ap in offers.items():
+        checkpointing.save_if_best(manager, step, {"w": jnp.full((3,), float(step))}, ap)
+    manager.wait_until_finished()
+    assert manager.all_steps() == [2]
+    manager.close()
+    step, restored = checkpointing.restore_best(str(tmp_path))
+    assert step == 2
+    np.testing.assert_array_equal(restored["w"], [2.0, 2.0, 2.0])
+    assert checkpointing.restore_best(str(tmp_path / "elsewhere")) is None
+
+
+def test_export_params_writes_params_alone(tmp_path):
+    import orbax.checkpoint as ocp
+
+    params = {"dense": {"kernel": np.arange(6.0).reshape(2, 3), "bias": np.zeros(3)}}
+    path = checkpointing.export_params(str(tmp_path), params)
+    assert path == checkpointing.export_dir(str(tmp_path)) / "params"
+    checkpointing.export_params(str(tmp_path), {"dense": {"kernel": np.ones((2, 3)), "bias": np.ones(3)}})  # replaces
+    restored = ocp.StandardCheckpointer().restore(path)
+    np.testing.assert_array_equal(restored["dense"]["kernel"], np.ones((2, 3)))
+    assert set(restored) == {"dense"}  # no optimizer state, no step: parameters only

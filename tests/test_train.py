@@ -18,6 +18,7 @@ import types
 
 import flax
 import flax.linen as nn
+import orbax.checkpoint as ocp
 import jax
 import numpy as np
 import pytest
@@ -187,6 +188,17 @@ def test_training_writes_checkpoints_metrics_and_tensorboard(reference_run):
     saved_config = json.loads((workdir / "config.json").read_text())
     assert saved_config["global_batch_size"] == 8
     assert saved_config["total_steps"] == 4
+
+    # The best evaluation's parameters (the only one here: step 4) and the final export, parameters only.
+    final, _, _ = restore_latest(workdir, config)
+    best_step, best_params = checkpointing.restore_best(str(workdir))
+    assert best_step == 4
+    exported = ocp.StandardCheckpointer().restore(checkpointing.export_dir(str(workdir)) / "params")
+    for params in (best_params, exported):
+        restored, expected = flat(params), flat(final.params)
+        assert restored.keys() == expected.keys()
+        for name in expected:
+            np.testing.assert_array_equal(restored[name], expected[name], err_msg=name)
 
 
 class Preempted(Exception):
