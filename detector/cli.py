@@ -15,12 +15,12 @@ from absl import app, flags
 
 from detector.errors import ConfigError, TrainingError
 from input_pipeline import DatasetError
-from sharding import MeshError
+from sharding import DistributedError, MeshError
 
 flags.DEFINE_bool("verbose", False, "Show full tracebacks for errors.")
 
 # Errors that describe bad input, not bugs: reported as one line.
-USER_ERRORS = (ConfigError, DatasetError, MeshError, TrainingError, FileNotFoundError, NotADirectoryError,
+USER_ERRORS = (ConfigError, DatasetError, DistributedError, MeshError, TrainingError, FileNotFoundError, NotADirectoryError,
                PermissionError)
 
 EXIT_USAGE = 2

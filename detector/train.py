@@ -32,11 +32,12 @@ from detector.errors import ConfigError, TrainingError
 from detector.metric_writers import MetricWriter
 from detector.retinanet import create_model
 from detector.train_state import count_params, init_train_state
-from sharding import memory, plan
+from sharding import distributed, memory, plan
 
 _CONFIG = config_flags.DEFINE_config_file("config", None, "Path to a config file (get_config()).", lock_config=True)
 _WORKDIR = flags.DEFINE_string("workdir", None, "Directory for checkpoints, metrics and logs.")
 flags.mark_flags_as_required(["config", "workdir"])
+distributed.define_flags()
 
 
 def _format_duration(seconds: float) -> str:
@@ -286,6 +287,16 @@ class _DataReport:
             self._path.write_text(json.dumps(self._report, indent=2))
 
 
+class _ProcessPrefix(pylogging.Filter):
+    """Prefixes every log line with `[process I/N]` so interleaved multi-host logs stay readable."""
+
+    def filter(self, record: pylogging.LogRecord) -> bool:
+        prefix = f"[process {jax.process_index()}/{jax.process_count()}] "
+        if not str(record.msg).startswith(prefix):
+            record.msg = prefix + str(record.msg)
+        return True
+
+
 class _QuietLibraries(pylogging.Filter):
     """Keeps the libraries' INFO chatter (one line per checkpoint file) out of the training log."""
 
@@ -296,8 +307,15 @@ class _QuietLibraries(pylogging.Filter):
 def main(argv: list[str]) -> None:
     if len(argv) > 1:
         raise ConfigError(f"unexpected arguments: {' '.join(argv[1:])}; pass options as --flag=value")
-    logging.set_verbosity(logging.INFO)
-    logging.get_absl_handler().addFilter(_QuietLibraries())
+    # Join the other processes (flags or a detected cluster) before anything touches the devices.
+    distributed.initialize(distributed.options_from_flags())
+    handler = logging.get_absl_handler()
+    handler.addFilter(_QuietLibraries())
+    if jax.process_count() > 1:
+        handler.addFilter(_ProcessPrefix())
+    # Every process trains; process 0 alone tells the story, the others only warn.
+    logging.set_verbosity(logging.INFO if jax.process_index() == 0 else logging.WARNING)
+    logging.info("%s", distributed.describe())
     train_and_evaluate(_CONFIG.value, _WORKDIR.value)
 
 

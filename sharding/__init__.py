@@ -5,6 +5,7 @@ carries a `NamedSharding` on a `('data', 'fsdp', 'model')` mesh, derived from
 logical axis names and the rules in `config.sharding.rules`.
 """
 
+from sharding.distributed import DistributedError
 from sharding.mesh import MESH_AXES, MeshError, batch_axes, check_global_batch, create_mesh, resolve_mesh_shape
 from sharding.partitioning import (
     logical_rules,
@@ -14,6 +15,7 @@ from sharding.partitioning import (
 )
 
 __all__ = [
+    "DistributedError",
     "MESH_AXES",
     "MeshError",
     "batch_axes",

@@ -27,11 +27,14 @@ KEYS = ("image_id", "image", "boxes", "labels", "boxes_mask")
 
 
 def main(config_json, port, num_processes, process_id, out):
-    jax.config.update("jax_cpu_collectives_implementation", "gloo")
-    jax.distributed.initialize(f"127.0.0.1:{port}", num_processes=int(num_processes),
-                               process_id=int(process_id), initialization_timeout=120)
-    import input_pipeline  # noqa: E402  (after jax.distributed, as in the trainer)
+    import input_pipeline  # noqa: E402
     import sharding  # noqa: E402
+    from sharding import distributed  # noqa: E402
+
+    # As the trainer joins: explicit flags, gloo collectives on CPU.
+    assert distributed.initialize(distributed.DistributedOptions(
+        coordinator_address=f"127.0.0.1:{port}", num_processes=int(num_processes), process_id=int(process_id),
+        initialization_timeout_s=120))
 
     config = ml_collections.ConfigDict(json.loads(open(config_json).read()))
     mesh = sharding.create_mesh(dict(data=-1, fsdp=1, model=1))

@@ -50,6 +50,9 @@ def _cases(tmp: pathlib.Path) -> dict[str, dict]:
                   f"--config.dataset.train_json={tmp}/nope.json", f"--config.dataset.train_images={tmp}",
                   f"--config.dataset.eval_json={tmp}/nope.json", f"--config.dataset.eval_images={tmp}"], code=1,
             patterns=[re.escape(f"{tmp}/nope.json"), r"does not exist", r"--config\.dataset\.train_json"]),
+        "partial_distributed_flags": dict(
+            args=["--num_processes=2"], code=1,
+            patterns=[r"--coordinator_address, --num_processes and --process_id go together"]),
         "data_dir_parent_missing": dict(
             args=[f"--config.dataset.data_dir={missing_parent}"], code=1,
             patterns=[re.escape(f"parent directory {missing_parent.parent} does not exist")]),
@@ -62,7 +65,7 @@ def _cases(tmp: pathlib.Path) -> dict[str, dict]:
 
 
 CASE_NAMES = ["wrong_mesh", "indivisible_batch", "unknown_config_key", "unknown_nested_config_key",
-              "coco_not_prepared", "coco_json_without_paths", "coco_json_missing_file", "data_dir_parent_missing",
+              "coco_not_prepared", "coco_json_without_paths", "coco_json_missing_file", "partial_distributed_flags", "data_dir_parent_missing",
               "config_file_missing"]
 
 
