@@ -15,7 +15,8 @@ from absl import app, flags
 
 from detector.errors import ConfigError, TrainingError
 from input_pipeline import DatasetError
-from sharding import DistributedError, MeshError
+from sharding import MeshError
+from sharding.distributed import DistributedError
 
 flags.DEFINE_bool("verbose", False, "Show full tracebacks for errors.")
 

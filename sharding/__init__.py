@@ -5,7 +5,6 @@ carries a `NamedSharding` on a `('data', 'fsdp', 'model')` mesh, derived from
 logical axis names and the rules in `config.sharding.rules`.
 """
 
-from sharding.distributed import DistributedError
 from sharding.mesh import MESH_AXES, MeshError, batch_axes, check_global_batch, create_mesh, resolve_mesh_shape
 from sharding.partitioning import (
     logical_rules,
@@ -15,7 +14,6 @@ from sharding.partitioning import (
 )
 
 __all__ = [
-    "DistributedError",
     "MESH_AXES",
     "MeshError",
     "batch_axes",

@@ -141,10 +141,15 @@ def options_from_flags() -> DistributedOptions:
 
 
 def _check_main(argv: list[str]) -> None:
+    import sys
+
     from jax.experimental import multihost_utils
 
     del argv
-    initialize(options_from_flags())
+    try:
+        initialize(options_from_flags())
+    except DistributedError as e:
+        sys.exit(f"error: {e}")
     # A collective across every process proves that they really joined.
     joined = int(multihost_utils.process_allgather(jax.numpy.ones((), jax.numpy.int32)).sum())
     print(f"{describe()}; a collective reached {joined} processes", flush=True)

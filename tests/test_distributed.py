@@ -11,6 +11,7 @@ import pytest
 
 from sharding import distributed
 from sharding.distributed import DistributedError, DistributedOptions
+from test_multiprocess_input import free_port
 
 REPO_ROOT = pathlib.Path(__file__).resolve().parent.parent
 LAUNCHER = REPO_ROOT / "scripts" / "launch_local.sh"
@@ -73,11 +74,7 @@ PEER = textwrap.dedent("""
 
 
 def test_a_dead_peer_stops_the_survivor_within_a_minute(tmp_path):
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        address = f"127.0.0.1:{s.getsockname()[1]}"
+    address = f"127.0.0.1:{free_port()}"
     env = {**_env(), "JAX_PLATFORMS": "cpu", "XLA_FLAGS": "--xla_force_host_platform_device_count=2"}
     procs = [subprocess.Popen([sys.executable, "-c", PEER, address, str(i)], cwd=REPO_ROOT, env=env,
                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for i in range(2)]

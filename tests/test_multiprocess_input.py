@@ -23,7 +23,7 @@ STEPS, RESUME_STEP = 3, 2
 KEYS = ("image_id", "image", "boxes", "labels", "boxes_mask")
 
 
-def _free_port():
+def free_port():
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
@@ -33,7 +33,7 @@ def _run_processes(config, tmp_path, num_processes):
     config_path = tmp_path / "config.json"
     config_path.write_text(config.to_json())
     out = tmp_path / "global_batches.npz"
-    port = _free_port()
+    port = free_port()
     env = {**os.environ, "PYTHONPATH": REPO_ROOT}
     env.pop("XLA_FLAGS", None)
     procs = [subprocess.Popen([sys.executable, WORKER, str(config_path), str(port), str(num_processes), str(i), str(out)],

@@ -201,6 +201,23 @@ def test_training_writes_checkpoints_metrics_and_tensorboard(reference_run):
             np.testing.assert_array_equal(restored[name], expected[name], err_msg=name)
 
 
+class WrappedTrainIterator:
+    """The trainer's real iterator (its position and counts intact) with `on_batch(batch, step)` applied to each batch.
+
+    `step` is the 1-based training step the batch is for; `on_batch` may raise to stand in for a crash.
+    """
+
+    def __init__(self, batches, global_batch_size, on_batch):
+        self.batches, self.global_batch_size, self.on_batch = batches, global_batch_size, on_batch
+
+    position = property(lambda self: self.batches.position)
+    input_counts = property(lambda self: self.batches.input_counts)
+
+    def __next__(self):
+        step = self.batches.position // self.global_batch_size + 1
+        return self.on_batch(next(self.batches), step)
+
+
 class Preempted(Exception):
     """Stands in for a crash or preemption in the middle of a run."""
 
@@ -215,25 +232,16 @@ def test_interrupted_run_resumes_exactly(reference_run, tmp_path, monkeypatch):
     real_create_train_iterator = input_pipeline.create_train_iterator
     start_positions = []
 
-    class DiesAfterTwoBatches:
-        """The real iterator (position, counts) that fails fetching the batch of step 3."""
-
-        def __init__(self, batches):
-            self.batches, self.served = batches, 0
-
-        position = property(lambda self: self.batches.position)
-        input_counts = property(lambda self: self.batches.input_counts)
-
-        def __next__(self):
-            if self.served == 2:
-                raise Preempted  # while fetching the batch of step 3, after step 2's checkpoint started
-            self.served += 1
-            return next(self.batches)
+    def dies_at_step_3(batch, step):
+        if step == 3:
+            raise Preempted  # while fetching the batch of step 3, after step 2's checkpoint started
+        return batch
 
     def create_train_iterator(config, *, start_position=0, first_row=None):
         start_positions.append(start_position)
         batches = real_create_train_iterator(config, start_position=start_position, first_row=first_row)
-        return batches if len(start_positions) > 1 else DiesAfterTwoBatches(batches)
+        return batches if len(start_positions) > 1 else WrappedTrainIterator(
+            batches, config.global_batch_size, dies_at_step_3)
 
     monkeypatch.setattr(input_pipeline, "create_train_iterator", create_train_iterator)
     with pytest.raises(Preempted):
@@ -277,21 +285,11 @@ def _poison_steps(monkeypatch, bad_steps):
     """Makes the training batches of `bad_steps` (1-based) all-NaN images, as a corrupt batch would."""
     real_create_train_iterator = input_pipeline.create_train_iterator
 
-    class Poisoned:
-        def __init__(self, batches, global_batch_size):
-            self.batches, self.global_batch_size = batches, global_batch_size
+    def poison(batch, step):
+        return dict(batch, image=np.full_like(batch["image"], np.nan)) if step in bad_steps else batch
 
-        position = property(lambda self: self.batches.position)
-        input_counts = property(lambda self: self.batches.input_counts)
-
-        def __next__(self):
-            batch = next(self.batches)
-            if self.batches.position // self.global_batch_size in bad_steps:
-                batch = dict(batch, image=np.full_like(batch["image"], np.nan))
-            return batch
-
-    monkeypatch.setattr(input_pipeline, "create_train_iterator", lambda config, **kwargs: Poisoned(
-        real_create_train_iterator(config, **kwargs), config.global_batch_size))
+    monkeypatch.setattr(input_pipeline, "create_train_iterator", lambda config, **kwargs: WrappedTrainIterator(
+        real_create_train_iterator(config, **kwargs), config.global_batch_size, poison))
 
 
 def _optimizer_counters(state):

@@ -43,23 +43,17 @@ def conversion_key(mode: str, image_format: str | None) -> str | None:
   return None
 
 
-def is_finite_number(value) -> bool:
-  """A real int or float (not bool, not text) that is finite as a float."""
+def is_number(value, *, finite: bool) -> bool:
+  """A real int or float (not bool, not text), never NaN; with finite=True also not infinite.
+
+  An int beyond float range counts as infinite.
+  """
   if isinstance(value, bool) or not isinstance(value, (int, float, np.floating, np.integer)):
     return False
   try:
-    return math.isfinite(value)
-  except OverflowError:  # An int beyond float range.
-    return False
-
-
-def _is_number(value) -> bool:
-  if isinstance(value, bool) or not isinstance(value, (int, float, np.floating, np.integer)):
-    return False
-  try:
-    return not math.isnan(value)
-  except OverflowError:  # An int beyond float range is still a number.
-    return True
+    return math.isfinite(value) if finite else not math.isnan(value)
+  except OverflowError:
+    return not finite
 
 
 def clip_box_yxyx(corners: Sequence[float], height: int, width: int
@@ -77,7 +71,7 @@ def clip_box_yxyx(corners: Sequence[float], height: int, width: int
     dropped), 'outside_box' (nothing left inside the image: dropped),
     'clipped_box' (partly outside: clipped, kept), None (kept unchanged).
   """
-  if len(corners) != 4 or not all(_is_number(v) for v in corners):
+  if len(corners) != 4 or not all(is_number(v, finite=False) for v in corners):
     return "invalid_box", None
   # Infinite corners are allowed: they clip (a finite x + w can overflow).
   y0, x0, y1, x1 = (float(v) for v in corners)

@@ -248,14 +248,22 @@ def _box_yxyx(bbox: Any, width: int, height: int) -> tuple[str | None, np.ndarra
     ('invalid_box', 'empty_box', 'outside_box', 'clipped_box'), None for a
     box kept unchanged.
   """
-  if not (isinstance(bbox, (list, tuple)) and len(bbox) == 4):
-    return "invalid_box", None
-  if not all(box_checks.is_finite_number(v) for v in bbox):
-    return "invalid_box", None
+  problem = _xywh_problem(bbox)
+  if problem:
+    return problem, None
   x, y, w, h = (float(v) for v in bbox)
-  if w <= 0 or h <= 0:
-    return "empty_box", None  # Before adding: x + w may round back to x.
   return box_checks.clip_box_yxyx((y, x, y + h, x + w), height, width)
+
+
+def _xywh_problem(bbox: Any) -> str | None:
+  """'invalid_box' (not 4 finite numbers) or 'empty_box' (w or h <= 0) for a COCO bbox, else None."""
+  if not (isinstance(bbox, (list, tuple)) and len(bbox) == 4):
+    return "invalid_box"
+  if not all(box_checks.is_number(v, finite=True) for v in bbox):
+    return "invalid_box"
+  if float(bbox[2]) <= 0 or float(bbox[3]) <= 0:
+    return "empty_box"  # Checked before adding: x + w may round back to x.
+  return None
 
 
 def _make_example(entry: _ImageEntry, info: _FileInfo, annotations: list[dict[str, Any]],
@@ -423,8 +431,7 @@ def load_ground_truth(json_path: str) -> dict[str, Any]:
             and ann.get("category_id") in known_categories):
       continue
     bbox = ann.get("bbox")
-    if not (isinstance(bbox, (list, tuple)) and len(bbox) == 4
-            and all(box_checks.is_finite_number(v) for v in bbox) and bbox[2] > 0 and bbox[3] > 0):
+    if _xywh_problem(bbox):
       continue
     ann = dict(ann)
     ann.setdefault("area", float(bbox[2]) * float(bbox[3]))
