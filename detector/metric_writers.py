@@ -7,6 +7,7 @@ does nothing, so callers need no `if process_index == 0` of their own.
 from __future__ import annotations
 
 import json
+import logging
 import math
 from collections.abc import Mapping
 
@@ -14,6 +15,13 @@ from etils import epath
 
 TRAIN_METRICS_FILE = "train_metrics.jsonl"
 EVAL_METRICS_FILE = "eval_metrics.jsonl"
+
+
+def _step_of(line: str) -> int | None:
+    try:
+        return int(json.loads(line)["step"])
+    except (ValueError, KeyError, TypeError):
+        return None
 
 
 def _json_value(value: float) -> float | None:
@@ -45,6 +53,28 @@ class MetricWriter:
             for name, value in metrics.items():
                 self._tf.summary.scalar(f"{prefix}/{name}", float(value))
         self._summary_writer.flush()
+
+    def discard_after(self, step: int) -> None:
+        """Drops lines past `step`, the checkpoint a resumed run starts from, so no step appears twice.
+
+        A run killed after logging step 7 whose newest checkpoint is step 6 logs
+        step 7 again once resumed; a line cut short by the kill is dropped too.
+        """
+        if not self._enabled:
+            return
+        for filename in (TRAIN_METRICS_FILE, EVAL_METRICS_FILE):
+            path = self._workdir / filename
+            if not path.exists():
+                continue
+            lines = [line for line in path.read_text().splitlines() if line.strip()]
+            kept = [line for line, line_step in zip(lines, map(_step_of, lines))
+                    if line_step is not None and line_step <= step]
+            if len(kept) < len(lines):
+                logging.info("%s: dropped %d line(s) past step %d, the checkpoint this run resumes from",
+                             filename, len(lines) - len(kept), step)
+                temporary = path.with_name(path.name + ".tmp")
+                temporary.write_text("".join(line + "\n" for line in kept))
+                temporary.replace(path)  # atomic: a second kill leaves the old file or the new one
 
     def write_train(self, step: int, metrics: Mapping[str, float]) -> None:
         self._write(TRAIN_METRICS_FILE, "train", step, metrics)

@@ -28,6 +28,7 @@ from ml_collections import config_flags
 import input_pipeline
 import sharding
 from detector import checkpointing, cli, evaluation, optim, steps
+from detector import preemption as preemption_lib
 from detector.errors import ConfigError, TrainingError
 from detector.metric_writers import MetricWriter
 from detector.retinanet import create_model
@@ -140,6 +141,7 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict[
     eval_config = _with_batch_size(config, config.eval_batch_size)
     ground_truth = input_pipeline.coco_ground_truth(config) if is_primary else None
     writer = MetricWriter(workdir, enabled=is_primary)
+    writer.discard_after(start_step)
 
     def run_eval(step: int) -> dict[str, float] | None:
         eval_iter = input_pipeline.create_eval_iterator(
@@ -162,59 +164,70 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict[
         # --------------------------------------------------------------------
         # Training loop.
         # --------------------------------------------------------------------
-        total_steps = config.total_steps
-        nonfinite = _NonFiniteSteps(int(config.max_consecutive_nonfinite))
-        last_metrics = None
-        pending: list[dict[str, jax.Array]] = []
-        window_start, window_wait, window_steps = time.perf_counter(), 0.0, 0
-        for step in range(start_step + 1, total_steps + 1):
-            wait_start = time.perf_counter()
-            batch = input_pipeline.to_global_batch(next(train_iter), mesh, batch_axes)
-            window_wait += time.perf_counter() - wait_start
-            state, metrics = compiled_train(state, batch)
-            pending.append(metrics)
-            window_steps += 1
+        with preemption_lib.PreemptionWatch() as preemption:
+            total_steps = config.total_steps
+            stopped_early = False
+            nonfinite = _NonFiniteSteps(int(config.max_consecutive_nonfinite))
+            last_metrics = None
+            pending: list[dict[str, jax.Array]] = []
+            window_start, window_wait, window_steps = time.perf_counter(), 0.0, 0
+            for step in range(start_step + 1, total_steps + 1):
+                wait_start = time.perf_counter()
+                batch = input_pipeline.to_global_batch(next(train_iter), mesh, batch_axes)
+                window_wait += time.perf_counter() - wait_start
+                state, metrics = compiled_train(state, batch)
+                pending.append(metrics)
+                window_steps += 1
+                # Every process asks after every step; all get the same answer.
+                stopped_early = preemption.reached_stop_step(step) and step < total_steps
 
-            if step % config.log_every_steps == 0 or step == total_steps:
-                # The only host sync of the loop: fetch the window's metrics at once.
-                fetched = jax.device_get(pending)
-                elapsed = time.perf_counter() - window_start
-                nonfinite.observe(step - len(fetched) + 1, [bool(m["nonfinite"]) for m in fetched])
-                # Loss terms of the steps that updated the model; skipped steps are counted instead.
-                good = [m for m in fetched if not m["nonfinite"]] or fetched
-                summary = {k: float(np.mean([m[k] for m in good])) for k in fetched[0] if k != "nonfinite"}
-                summary["skipped_steps"] = float(sum(m["nonfinite"] for m in fetched))
-                summary["learning_rate"] = float(fetched[-1]["learning_rate"])
-                summary["images_per_second"] = window_steps * config.global_batch_size / elapsed
-                summary["step_time_s"] = elapsed / window_steps
-                summary["input_wait_fraction"] = window_wait / elapsed
-                eta = (total_steps - step) * summary["step_time_s"]
-                logging.info(
-                    "step %d/%d | loss %.4f (cls %.4f box %.4f) | lr %.2e | grad norm %.3f | %.1f img/s | "
-                    "input wait %.0f%% | ETA %s", step, total_steps, summary["loss"], summary["cls_loss"],
-                    summary["box_loss"], summary["learning_rate"], summary["grad_norm"],
-                    summary["images_per_second"], 100 * summary["input_wait_fraction"], _format_duration(eta))
-                writer.write_train(step, summary)
-                data_report.update("train", train_iter.input_counts)
-                pending.clear()
-                window_start, window_wait, window_steps = time.perf_counter(), 0.0, 0
+                if step % config.log_every_steps == 0 or step == total_steps or stopped_early:
+                    # The only host sync of the loop: fetch the window's metrics at once.
+                    fetched = jax.device_get(pending)
+                    elapsed = time.perf_counter() - window_start
+                    nonfinite.observe(step - len(fetched) + 1, [bool(m["nonfinite"]) for m in fetched])
+                    # Loss terms of the steps that updated the model; skipped steps are counted instead.
+                    good = [m for m in fetched if not m["nonfinite"]] or fetched
+                    summary = {k: float(np.mean([m[k] for m in good])) for k in fetched[0] if k != "nonfinite"}
+                    summary["skipped_steps"] = float(sum(m["nonfinite"] for m in fetched))
+                    summary["learning_rate"] = float(fetched[-1]["learning_rate"])
+                    summary["images_per_second"] = window_steps * config.global_batch_size / elapsed
+                    summary["step_time_s"] = elapsed / window_steps
+                    summary["input_wait_fraction"] = window_wait / elapsed
+                    eta = (total_steps - step) * summary["step_time_s"]
+                    logging.info(
+                        "step %d/%d | loss %.4f (cls %.4f box %.4f) | lr %.2e | grad norm %.3f | %.1f img/s | "
+                        "input wait %.0f%% | ETA %s", step, total_steps, summary["loss"], summary["cls_loss"],
+                        summary["box_loss"], summary["learning_rate"], summary["grad_norm"],
+                        summary["images_per_second"], 100 * summary["input_wait_fraction"], _format_duration(eta))
+                    writer.write_train(step, summary)
+                    data_report.update("train", train_iter.input_counts)
+                    pending.clear()
+                    window_start, window_wait, window_steps = time.perf_counter(), 0.0, 0
 
-            if step % config.checkpoint_every_steps == 0 or step == total_steps:
-                checkpointing.save(manager, step, state, {"step": step, "input_position": train_iter.position})
-            if step % config.eval_every_steps == 0 or step == total_steps:
-                last_metrics = run_eval(step)
-                window_start = time.perf_counter()  # eval time is not training throughput
+                if step % config.checkpoint_every_steps == 0 or step == total_steps or stopped_early:
+                    checkpointing.save(manager, step, state, {"step": step, "input_position": train_iter.position})
+                if stopped_early:
+                    logging.warning("stopping at step %d of %d on a preemption signal; the checkpoint of step %d is "
+                                    "being written. Run the same command to resume.", step, total_steps, step)
+                    break
+                if step % config.eval_every_steps == 0 or step == total_steps:
+                    last_metrics = run_eval(step)
+                    window_start = time.perf_counter()  # eval time is not training throughput
 
-        if start_step >= total_steps:
-            logging.info("workdir already holds a checkpoint at step %d >= total_steps; evaluating it", start_step)
-            last_metrics = run_eval(start_step)
-        checkpointing.export_params(workdir, state.params)
+            if start_step >= total_steps:
+                logging.info("workdir already holds a checkpoint at step %d >= total_steps; evaluating it", start_step)
+                last_metrics = run_eval(start_step)
+            if not stopped_early:
+                checkpointing.export_params(workdir, state.params)
     finally:
         # Let an in-flight async save finish so the newest checkpoint is complete.
         manager.wait_until_finished()
         manager.close()
         best_manager.close()
         writer.close()
+    if stopped_early:
+        return None
     if is_primary and last_metrics is not None:
         logging.info("final COCO metrics: %s", json.dumps({k: round(v, 4) for k, v in last_metrics.items()}))
     return last_metrics

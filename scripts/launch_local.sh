@@ -10,6 +10,7 @@
 # --process_id=I appended and DEVICES_PER_PROCESS (default 4) fake CPU
 # devices. Output lines are prefixed with the process index. When one process
 # fails, the others are stopped and the script exits with its status.
+# SIGTERM or Ctrl-C stops all of them with a checkpoint (see detector/preemption.py).
 set -euo pipefail
 
 if [[ $# -lt 3 ]]; then
@@ -31,18 +32,20 @@ fi
 
 port="${COORDINATOR_PORT:-$(python3 -c 'import socket; s = socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])')}"
 pids=()
-# Each process runs in a subshell (its output prefixed through sed); stopping
-# one means stopping the subshell's children, the command and its sed.
-cleanup() { for pid in "${pids[@]}"; do pkill -TERM -P "$pid" 2>/dev/null || true; done; }
-trap cleanup EXIT INT TERM
+# SIGTERM/SIGINT to the launcher reach every process as SIGTERM, the preemption
+# signal: they agree on a step, save it and exit 0. (Ctrl-C in a terminal also
+# reaches them directly as SIGINT; the trainer counts the two as one.)
+forward_term() { for pid in "${pids[@]}"; do kill -TERM "$pid" 2>/dev/null || true; done; }
+trap forward_term INT TERM
 
 for ((i = 0; i < num_processes; i++)); do
   (
+    # The subshell becomes the command (exec), so $! is the process itself;
+    # its output goes through sed for the prefix.
+    exec > >(sed -u "s/^/[${i}] /") 2>&1
     JAX_PLATFORMS=cpu \
     XLA_FLAGS="${XLA_FLAGS:-} --xla_force_host_platform_device_count=${devices_per_process}" \
-      "$@" --coordinator_address="127.0.0.1:${port}" --num_processes="${num_processes}" --process_id="${i}" \
-      2>&1 | sed -u "s/^/[${i}] /"
-    exit "${PIPESTATUS[0]}"
+      exec "$@" --coordinator_address="127.0.0.1:${port}" --num_processes="${num_processes}" --process_id="${i}"
   ) &
   pids+=("$!")
 done
@@ -51,6 +54,8 @@ status=0
 for pid in "${pids[@]}"; do
   code=0
   wait "$pid" || code=$?
-  if [[ $code -ne 0 && $status -eq 0 ]]; then status=$code; cleanup; fi
+  # A trapped signal interrupts `wait` while the process still runs: wait again.
+  while kill -0 "$pid" 2>/dev/null; do code=0; wait "$pid" || code=$?; done
+  if [[ $code -ne 0 && $status -eq 0 ]]; then status=$code; forward_term; fi
 done
 exit "$status"

@@ -10,7 +10,7 @@ from coco_folders import CATEGORY_IDS, coco_json_overrides, write_folder
 from detector import evaluation, train
 from test_pipeline import make_config as make_pipeline_config
 from test_train import compilation_cache_dir  # noqa: F401  (autouse: shares test_train's compiled programs)
-from test_train import make_config as make_train_config
+from tiny_config import make_config as make_train_config
 
 
 @pytest.fixture(scope="module")

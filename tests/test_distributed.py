@@ -2,6 +2,7 @@
 
 import os
 import pathlib
+import signal
 import subprocess
 import sys
 import textwrap
@@ -88,3 +89,23 @@ def test_a_dead_peer_stops_the_survivor_within_a_minute(tmp_path):
     assert procs[0].returncode != 0, survivor_output[-2000:]
     assert "survivor passed the barrier" not in survivor_output
     assert elapsed < 60, f"survivor took {elapsed:.0f}s to stop"
+
+
+SIGTERM_REPORTER = textwrap.dedent("""
+    import signal, sys, time
+    signal.signal(signal.SIGTERM, lambda *_: (print("SIGTERM received", flush=True), sys.exit(0)))
+    print("ready", flush=True)
+    time.sleep(60)
+""")
+
+
+def test_local_launcher_passes_sigterm_to_every_process_and_waits_for_them():
+    """A scheduler's SIGTERM to the launcher reaches each process, whose own exit status (0 here) is the result."""
+    launcher = subprocess.Popen([str(LAUNCHER), "2", "--", sys.executable, "-c", SIGTERM_REPORTER], cwd=REPO_ROOT,
+                                env=_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    ready = [launcher.stdout.readline() for _ in range(2)]
+    assert sorted(ready) == ["[0] ready\n", "[1] ready\n"]
+    launcher.send_signal(signal.SIGTERM)
+    output, _ = launcher.communicate(timeout=30)
+    assert launcher.returncode == 0, output
+    assert sorted(output.splitlines()) == ["[0] SIGTERM received", "[1] SIGTERM received"]

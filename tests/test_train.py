@@ -27,39 +27,15 @@ from jax.experimental.compilation_cache import compilation_cache
 
 import input_pipeline
 import sharding
-from configs import default
 from detector import checkpointing, optim, steps, train
 from detector.errors import TrainingError
 from detector.retinanet import create_model
 from detector.train_state import describe_param_shardings, state_shardings
 from sharded_training import assert_same_training, train_on_mesh
+from tiny_config import make_config
 
 TRAIN_KEYS = {"step", "loss", "cls_loss", "box_loss", "learning_rate", "images_per_second"}
 EVAL_KEYS = {"step", "AP", "AP50", "AP75", "APs", "APm", "APl", "AR100"}
-
-
-def make_config(data_dir, **overrides):
-    """The default recipe shrunk to 64 px images and a tiny model; `overrides` use dotted keys."""
-    config = default.get_config()
-    config.dataset.data_dir = str(data_dir)
-    config.dataset.num_train_examples = 64
-    config.dataset.num_eval_examples = 16
-    config.dataset.image_size = 64
-    config.input.image_size = (64, 64)
-    config.input.max_boxes = 8
-    config.global_batch_size = 8
-    config.eval_batch_size = 8
-    config.model.fpn_features = 16
-    config.model.head_features = 16
-    config.model.head_convs = 1
-    config.model.backbone.width = 8
-    config.log_every_steps = 2
-    config.total_steps = 4
-    config.checkpoint_every_steps = 2
-    config.eval_every_steps = 4
-    config.lock()  # A misspelt override below fails instead of adding a key nobody reads.
-    config.update_from_flattened_dict(overrides)
-    return config
 
 
 def read_jsonl(path):
@@ -376,24 +352,3 @@ def test_sharding_changes_placement_not_results(sharding_comparison, mesh_shape)
             assert any(f"'{axis}'" in spec for spec in kernels), sharded.param_specs
 
     assert_same_training(reference, sharded, initial)
-
-
-@pytest.mark.parametrize("mesh_shape", [(4, 1, 2), (2, 4, 1)], ids=["data4_model2", "data2_fsdp4"])
-def test_resume_onto_another_mesh_and_train(reference_run, data_dir, tmp_path, mesh_shape):
-    """Steps 3-4 on a new mesh from the reference run's step-2 checkpoint (written on data=8)."""
-    shutil.copytree(reference_run.workdir / "checkpoints" / "2", tmp_path / "checkpoints" / "2")
-    data, fsdp, model_axis = mesh_shape
-    config = make_config(data_dir, **{"mesh.data": data, "mesh.fsdp": fsdp, "mesh.model": model_axis})
-    metrics = train.train_and_evaluate(config, str(tmp_path))
-
-    assert json.loads((tmp_path / "config.json").read_text())["mesh"] == dict(data=data, fsdp=fsdp, model=model_axis)
-    assert checkpoint_steps(tmp_path) == [2, 4]
-    [line] = read_jsonl(tmp_path / "train_metrics.jsonl")  # 2 steps trained, logged once at step 4
-    assert line["step"] == 4
-    assert all(math.isfinite(line[k]) for k in TRAIN_KEYS), line
-    # Same state, same batches: the mean loss of steps 3-4 matches the reference
-    # (not to rounding level: Adam magnifies rounding differences in step 3's update).
-    [reference_line] = [x for x in read_jsonl(reference_run.workdir / "train_metrics.jsonl") if x["step"] == 4]
-    assert line["loss"] == pytest.approx(reference_line["loss"], rel=1e-4)
-    assert line["learning_rate"] == pytest.approx(reference_line["learning_rate"], rel=1e-6)
-    assert metrics is not None and all(math.isfinite(v) for v in metrics.values())

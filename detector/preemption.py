@@ -1,0 +1,88 @@
+"""Stopping on SIGTERM or SIGINT: every process saves one checkpoint at an agreed step, then exits 0.
+
+Schedulers (SLURM, Kubernetes, spot VMs) announce an eviction with SIGTERM a
+grace period before they kill the job. The trainer asks `reached_stop_step`
+after every step; once it says yes, every process saves the checkpoint of
+that step and returns, so a restart continues from there.
+
+Several processes must agree on the step, or they would save different ones
+(or one would wait forever in the save's collectives). JAX's preemption sync
+service, which `jax.distributed.initialize` starts, does that: it catches
+SIGTERM on any host and gives every host the same stop step (the furthest
+step any host has reached, plus one). SIGINT (Ctrl-C) is forwarded to it as
+SIGTERM. A single process has nobody to agree with, so its handler only
+records the signal and the next step is the stop step.
+
+A second Ctrl-C aborts at once (KeyboardInterrupt), without the checkpoint.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import threading
+
+import jax
+from absl import logging
+from jax.experimental import multihost_utils
+
+
+class PreemptionWatch:
+    """Installs the signal handlers for the duration of a `with` block.
+
+    Every process must call `reached_stop_step(step)` after every step, from
+    the same first step on (the sync service's protocol).
+    """
+
+    def __init__(self):
+        self._multi_process = jax.process_count() > 1
+        self._sync_service = self._multi_process and bool(jax.config.jax_enable_preemption_service)
+        self.received: str | None = None  # name of the first signal, e.g. "SIGTERM"
+        self._interrupts = 0
+        self._previous: dict[int, object] = {}
+
+    def __enter__(self) -> PreemptionWatch:
+        if threading.current_thread() is not threading.main_thread():
+            logging.warning("not on the main thread: SIGTERM and SIGINT will stop training without a checkpoint")
+            return self
+        if self._multi_process and not self._sync_service:
+            logging.warning("jax_enable_preemption_service is off: SIGTERM and SIGINT will stop training "
+                            "without a checkpoint")
+        elif self._multi_process:
+            # SIGTERM belongs to JAX's preemption notifier (installed by jax.distributed.initialize).
+            self._install(signal.SIGINT, self._forward_interrupt)
+        else:
+            self._install(signal.SIGTERM, self._record)
+            self._install(signal.SIGINT, self._record)
+        return self
+
+    def __exit__(self, *exc_info) -> None:
+        for signum, handler in self._previous.items():
+            signal.signal(signum, handler)
+        self._previous.clear()
+
+    def reached_stop_step(self, step: int) -> bool:
+        """Whether training must stop after `step` (a checkpoint of it saved); the same answer on every process."""
+        if self._multi_process:
+            return self._sync_service and multihost_utils.reached_preemption_sync_point(step)
+        return self.received is not None
+
+    def _install(self, signum: int, handler) -> None:
+        self._previous[signum] = signal.signal(signum, handler)
+
+    def _count_interrupt(self, signum: int) -> None:
+        if signum == signal.SIGINT:
+            self._interrupts += 1
+            if self._interrupts > 1:
+                raise KeyboardInterrupt("second interrupt: stopped without saving a checkpoint")
+        if self.received is None:
+            self.received = signal.Signals(signum).name
+            logging.warning("%s received: stopping at the next step with a checkpoint "
+                            "(press Ctrl-C again to abort without one)", self.received)
+
+    def _record(self, signum: int, frame) -> None:
+        self._count_interrupt(signum)
+
+    def _forward_interrupt(self, signum: int, frame) -> None:
+        self._count_interrupt(signum)
+        os.kill(os.getpid(), signal.SIGTERM)

@@ -1,0 +1,299 @@
+"""Real processes, real signals: kill -9 at any moment, SIGTERM, two processes, other topologies.
+
+Every run here is `python -m detector.train` (or tests/checkpoint_worker.py)
+in subprocesses on fake CPU devices, the way a cluster would start it; the
+module's reference is one uninterrupted 8-step run on 8 devices. All runs
+share a persistent compilation cache, so a restart loads the compiled
+programs instead of compiling them again, as restarts on a cluster do.
+"""
+
+from __future__ import annotations
+
+import collections
+import os
+import pathlib
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import threading
+import time
+
+import jax
+import numpy as np
+import orbax.checkpoint as ocp
+import pytest
+
+from test_multiprocess_input import free_port
+from test_train import checkpoint_steps, flat, once_per_run, read_jsonl
+from tiny_config import as_flags, make_config
+
+REPO_ROOT = pathlib.Path(__file__).resolve().parent.parent
+WORKER = REPO_ROOT / "tests" / "checkpoint_worker.py"
+TOTAL_STEPS = 8
+RUN = {"total_steps": TOTAL_STEPS, "checkpoint_every_steps": 2, "log_every_steps": 1, "eval_every_steps": TOTAL_STEPS}
+LOSS_KEYS = ("loss", "cls_loss", "box_loss", "grad_norm", "learning_rate")
+
+
+def _env(devices: int, cache_dir: pathlib.Path) -> dict[str, str]:
+    """This test process's environment with `devices` fake CPU devices and the shared compilation cache."""
+    xla_flags = [f for f in os.environ.get("XLA_FLAGS", "").split() if "device_count" not in f]
+    return {**os.environ, "PYTHONPATH": str(REPO_ROOT), "JAX_PLATFORMS": "cpu",
+            "XLA_FLAGS": " ".join(xla_flags + [f"--xla_force_host_platform_device_count={devices}"]),
+            "JAX_COMPILATION_CACHE_DIR": str(cache_dir), "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0",
+            "JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES": "0"}
+
+
+class Process:
+    """A subprocess whose output is read as it comes, so a test can act when a given line appears."""
+
+    def __init__(self, command: list[str], env: dict[str, str]):
+        self.command = command
+        self.popen = subprocess.Popen(command, cwd=REPO_ROOT, env=env, stdout=subprocess.PIPE,
+                                      stderr=subprocess.STDOUT, text=True)
+        self.lines: list[str] = []
+        self._new_line = threading.Condition()
+        self._reader = threading.Thread(target=self._read, daemon=True)
+        self._reader.start()
+
+    def _read(self) -> None:
+        for line in self.popen.stdout:
+            with self._new_line:
+                self.lines.append(line)
+                self._new_line.notify_all()
+        with self._new_line:
+            self._new_line.notify_all()
+
+    @property
+    def output(self) -> str:
+        return "".join(self.lines)
+
+    def wait_for(self, pattern: str, timeout: float = 240) -> re.Match:
+        """Blocks until a line matches `pattern`; fails if the process ends or the time runs out first."""
+        deadline = time.monotonic() + timeout
+        seen = 0
+        with self._new_line:
+            while True:
+                for line in self.lines[seen:]:
+                    if match := re.search(pattern, line):
+                        return match
+                seen = len(self.lines)
+                if not self._reader.is_alive() or time.monotonic() > deadline:
+                    self.popen.kill()
+                    pytest.fail(f"no line matched {pattern!r} (exit code {self.popen.poll()}):\n{self.output[-4000:]}")
+                self._new_line.wait(timeout=1.0)
+
+    def finish(self, timeout: float = 300) -> int:
+        try:
+            self.popen.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            self.popen.kill()
+            pytest.fail(f"still running after {timeout}s:\n{self.output[-4000:]}")
+        self._reader.join(timeout=10)
+        return self.popen.returncode
+
+    def kill(self, signum: int) -> None:
+        self.popen.send_signal(signum)
+
+
+def train_command(data_dir, workdir, **overrides) -> list[str]:
+    return [sys.executable, "-m", "detector.train", "--config=configs/default.py", f"--workdir={workdir}",
+            *as_flags(data_dir, **{**RUN, **overrides})]
+
+
+def start_processes(command: list[str], num_processes: int, devices: int, cache_dir) -> list[Process]:
+    """`num_processes` processes of `command` joined over 127.0.0.1, as scripts/launch_local.sh starts them."""
+    if num_processes == 1:
+        return [Process(command, _env(devices, cache_dir))]
+    address = f"127.0.0.1:{free_port()}"
+    return [Process(command + [f"--coordinator_address={address}", f"--num_processes={num_processes}",
+                               f"--process_id={i}"], _env(devices, cache_dir)) for i in range(num_processes)]
+
+
+def saved_state(workdir, step):
+    """The train state of checkpoint `step` as written, as numpy arrays, whatever devices wrote it."""
+    path = pathlib.Path(workdir) / "checkpoints" / str(step) / "state"
+    checkpointer = ocp.StandardCheckpointer()
+    one_device = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+    target = jax.tree.map(lambda leaf: jax.ShapeDtypeStruct(leaf.shape, leaf.dtype, sharding=one_device),
+                          checkpointer.metadata(path).item_metadata.tree)
+    return jax.device_get(checkpointer.restore(path, target))
+
+
+@pytest.fixture(scope="module")
+def data_dir(tmp_path_factory):
+    import input_pipeline
+
+    return once_per_run(tmp_path_factory, "data", lambda path: input_pipeline.get_dataset_info(make_config(path)))
+
+
+@pytest.fixture(scope="module")
+def cache_dir(tmp_path_factory):
+    return once_per_run(tmp_path_factory, "cli_compilation_cache", lambda directory: None)
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory, data_dir, cache_dir):
+    """One uninterrupted run: one process, 8 devices, data=8, checkpoints every 2 steps."""
+    workdir = tmp_path_factory.mktemp("reference")
+    [run] = start_processes(train_command(data_dir, workdir), 1, 8, cache_dir)
+    assert run.finish() == 0, run.output[-4000:]
+    assert checkpoint_steps(workdir) == [2, 4, 6, 8][-make_config(data_dir).keep_checkpoints:]
+    return workdir
+
+
+def assert_same_metrics(workdir, reference_workdir, **tolerance):
+    lines, expected = read_jsonl(workdir / "train_metrics.jsonl"), read_jsonl(reference_workdir / "train_metrics.jsonl")
+    assert [line["step"] for line in lines] == list(range(1, TOTAL_STEPS + 1))  # each step once, in order
+    for key in LOSS_KEYS:
+        actual, wanted = [line[key] for line in lines], [line[key] for line in expected]
+        if tolerance:
+            np.testing.assert_allclose(actual, wanted, err_msg=key, **tolerance)
+        else:
+            np.testing.assert_array_equal(actual, wanted, err_msg=key)
+
+
+# ----------------------------------------------------------------------------
+# One process: kill -9 anywhere, SIGTERM, restart; the end is bit-identical.
+# ----------------------------------------------------------------------------
+
+
+def test_killed_and_preempted_runs_end_with_the_uninterrupted_parameters(reference, data_dir, cache_dir, tmp_path):
+    def start():
+        [run] = start_processes(train_command(data_dir, tmp_path), 1, 8, cache_dir)
+        return run
+
+    resumed_from, newest_complete = [], []
+
+    def started(run):
+        """Notes which checkpoint the restart loaded, and which was the newest complete one on disk."""
+        newest_complete.append(max(checkpoint_steps(tmp_path), default=0))
+        match = run.wait_for(r"resuming from step (\d+)|step 1/8")
+        resumed_from.append(int(match.group(1) or 0))
+        return run
+
+    # 1. Killed while starting, before any checkpoint exists.
+    run = start()
+    run.wait_for(r"compiled train and predict steps")
+    run.kill(signal.SIGKILL)
+    assert run.finish() == -signal.SIGKILL
+    assert checkpoint_steps(tmp_path) == []
+
+    # 2. Killed right after the asynchronous save of step 2 started, most likely mid-write.
+    run = started(start())
+    run.wait_for(r"checkpoint: saving step 2\b")
+    run.kill(signal.SIGKILL)
+    run.finish()
+
+    # 3. Killed between checkpoints: step 5 was trained and logged, then lost.
+    run = started(start())
+    run.wait_for(r"step 5/8")
+    run.kill(signal.SIGKILL)
+    run.finish()
+
+    # A half-written checkpoint, as a kill during a save leaves it: ignored on restart.
+    partial = tmp_path / "checkpoints" / "7.orbax-checkpoint-tmp-1700000000000000"
+    (partial / "state").mkdir(parents=True)
+    (partial / "state" / "_METADATA").write_text('{"tree_metadata": {')
+
+    # 4. SIGTERM mid-run: stops at the next step with a checkpoint there, exit code 0.
+    run = started(start())
+    run.wait_for(r"step 5/8")
+    run.kill(signal.SIGTERM)
+    stop_step = int(run.wait_for(r"stopping at step (\d+) of 8 on a preemption signal").group(1))
+    assert run.finish() == 0, run.output[-3000:]
+    assert 5 <= stop_step < TOTAL_STEPS
+    assert stop_step in checkpoint_steps(tmp_path)
+    assert "export" not in os.listdir(tmp_path)  # unfinished: no final export yet
+
+    # 5. The last restart runs to the end.
+    run = started(start())
+    assert run.finish() == 0, run.output[-3000:]
+    assert checkpoint_steps(tmp_path)[-1] == TOTAL_STEPS
+
+    # Every restart loaded the newest complete checkpoint on disk (complete ones have plain step names).
+    assert resumed_from == newest_complete
+    assert resumed_from[-1] == stop_step
+
+    # Bit-identical to the uninterrupted run: parameters, optimizer state, every logged loss.
+    final, expected = saved_state(tmp_path, TOTAL_STEPS), saved_state(reference, TOTAL_STEPS)
+    assert flat(final["params"]).keys() == flat(expected["params"]).keys()
+    for name, value in flat(expected["params"]).items():
+        np.testing.assert_array_equal(flat(final["params"])[name], value, err_msg=name)
+    for actual, wanted in zip(jax.tree.leaves(final["opt_state"]), jax.tree.leaves(expected["opt_state"]), strict=True):
+        np.testing.assert_array_equal(actual, wanted)
+    assert_same_metrics(tmp_path, reference)
+    assert [line["step"] for line in read_jsonl(tmp_path / "eval_metrics.jsonl")] == [TOTAL_STEPS]
+
+
+# ----------------------------------------------------------------------------
+# Two processes x 4 devices: the one-process result; SIGTERM to one stops both.
+# ----------------------------------------------------------------------------
+
+
+def test_two_processes_train_like_one_and_stop_together_on_sigterm(reference, data_dir, cache_dir, tmp_path):
+    # Only the preemption checkpoint and the last one: a checkpoint at the stop step is the preemption's.
+    command = train_command(data_dir, tmp_path, checkpoint_every_steps=100)
+    runs = start_processes(command, 2, 4, cache_dir)
+    runs[0].wait_for(r"step 3/8")
+    runs[1].kill(signal.SIGTERM)  # one host is told; both must stop at the same step
+    stop_steps = [int(run.wait_for(r"stopping at step (\d+) of 8 on a preemption signal").group(1)) for run in runs]
+    assert [run.finish() for run in runs] == [0, 0], runs[0].output[-3000:] + runs[1].output[-3000:]
+    assert stop_steps[0] == stop_steps[1] and 3 <= stop_steps[0] < TOTAL_STEPS
+    assert checkpoint_steps(tmp_path) == [stop_steps[0]]
+
+    # The restart takes another split of the same 8 devices: resharded on load, training continues.
+    runs = start_processes(command + ["--config.mesh.data=2", "--config.mesh.fsdp=2", "--config.mesh.model=2"],
+                           2, 4, cache_dir)
+    runs[0].wait_for(rf"resuming from step {stop_steps[0]}\b")
+    assert [run.finish() for run in runs] == [0, 0], runs[0].output[-3000:] + runs[1].output[-3000:]
+    assert checkpoint_steps(tmp_path) == [stop_steps[0], TOTAL_STEPS]
+    # Process 0 tells the story; process 1 logs warnings only.
+    assert any(re.match(r"I\d{4} .*\[process 0/2\] step 8/8", line) for line in runs[0].lines)
+    assert not any(re.match(r"I\d{4} .*\[process 1/2\]", line) for line in runs[1].lines)
+
+    # The same losses as one process on 8 devices, to float tolerance (gloo sums in another order).
+    assert_same_metrics(tmp_path, reference, rtol=1e-5, atol=1e-7)
+    final, expected = saved_state(tmp_path, TOTAL_STEPS), saved_state(reference, TOTAL_STEPS)
+    for name, value in flat(expected["params"]).items():
+        np.testing.assert_allclose(flat(final["params"])[name], value, rtol=1e-4, atol=2e-6, err_msg=name)
+
+
+# ----------------------------------------------------------------------------
+# One checkpoint, three topologies: 8 devices -> 1 device -> 2 processes x 4.
+# ----------------------------------------------------------------------------
+
+
+def run_worker(config_json, source, mesh_shape, out, cache_dir, *, destination=None, num_processes=1, devices=1):
+    command = [sys.executable, str(WORKER), str(config_json), str(source), mesh_shape, str(out)]
+    runs = start_processes(command + ([str(destination)] if destination else []), num_processes, devices, cache_dir)
+    for run in runs:
+        assert run.finish() == 0, run.output[-3000:]
+    return dict(np.load(out))
+
+
+def test_a_checkpoint_restores_identically_across_topologies(reference, cache_dir, tmp_path):
+    config_json = reference / "config.json"
+    source, one_device_workdir = tmp_path / "written_on_8_devices", tmp_path / "written_on_1_device"
+    shutil.copytree(reference / "checkpoints" / str(TOTAL_STEPS), source / "checkpoints" / str(TOTAL_STEPS))
+
+    # Written on data=8; restored onto one device and saved again from there.
+    on_one = run_worker(config_json, source, "1,1,1", tmp_path / "one.npz", cache_dir,
+                        destination=one_device_workdir)
+    # That checkpoint restored onto two processes x 4 devices, split data=2 fsdp=2 model=2.
+    on_two = run_worker(config_json, one_device_workdir, "2,2,2", tmp_path / "two.npz", cache_dir,
+                        num_processes=2, devices=4)
+
+    assert on_one["partitioned"] == 0 and on_two["partitioned"] > 0  # really split over fsdp and model
+    expected = {f"params/{k}": v for k, v in flat(saved_state(reference, TOTAL_STEPS)["params"]).items()}
+    kinds = collections.Counter(name.split("/")[0] for name in on_one)
+    assert kinds["params"] == len(expected) and kinds["opt_state"] > 0
+    assert on_one.keys() == on_two.keys()
+    for restored in (on_one, on_two):
+        assert int(restored["step"]) == TOTAL_STEPS
+        for name, value in expected.items():
+            np.testing.assert_array_equal(restored[name], value, err_msg=name)
+    for name in on_one:
+        if name.startswith("opt_state/"):
+            np.testing.assert_array_equal(on_two[name], on_one[name], err_msg=name)
