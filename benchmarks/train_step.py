@@ -59,7 +59,7 @@ def main(argv: list[str]) -> None:
         rules = sharding.logical_rules(config.sharding)
         per_device_batch = sharding.check_global_batch(config.global_batch_size, mesh)
         model = create_model(config.model, _NUM_CLASSES.value, steps.num_anchors_per_location(config))
-        tx, schedule = optim.create_optimizer(config.optimizer, config.total_steps)
+        tx, schedule = optim.create_optimizer(config.optimizer, config.total_steps, model_config=config.model)
         batch_sharding = sharding.batch_sharding(mesh, sharding.batch_axes(mesh))
         with jax.set_mesh(mesh), nn.logical_axis_rules(rules):
             start = time.perf_counter()

@@ -96,8 +96,20 @@ def get_config() -> ml_collections.ConfigDict:
     config.model = ml_collections.ConfigDict()
     config.model.dtype = "float32"  # compute dtype: "bfloat16" for mixed precision (params stay float32)
     config.model.remat = "none"  # per-block rematerialisation: "none", "full" or "dots"
+    # ResNet backbone options:
+    #  * norm: "group" (GroupNorm, trained: for training from scratch at a few
+    #    images per device) or "frozen_bn" (BatchNorm with its statistics and
+    #    affine fixed, detectron2's FrozenBatchNorm2d: to fine-tune ImageNet
+    #    weights, whose statistics batches this small cannot re-estimate).
+    #  * freeze_stages: leading stages the optimizer keeps fixed, detectron2's
+    #    FREEZE_AT: 0 none, 1 the stem, 2 the stem and the first residual stage
+    #    (detectron2's choice with pretrained weights), ..., 5 all of a ResNet-50.
+    #  * pretrained: backbone weights to start from, "" for none: a torchvision
+    #    ResNet state dict (.pth/.pt/.safetensors/.npz) or the .npz that
+    #    `python -m detector.convert_pretrained` writes (BatchNorm weights: norm="frozen_bn").
     config.model.backbone = ml_collections.ConfigDict(dict(
-        name="resnet", stage_sizes=(1, 1, 1, 1), width=16, block="basic"))
+        name="resnet", stage_sizes=(1, 1, 1, 1), width=16, block="basic",
+        norm="group", freeze_stages=0, pretrained=""))
     config.model.fpn_features = 64
     config.model.head_convs = 2
     config.model.head_features = 64

@@ -5,7 +5,11 @@ linear warmup and x0.1 steps at 60k and 80k, weight decay 1e-4; focal loss
 (alpha 0.25, gamma 2), anchors 4x stride with 3 scales x 3 ratios on P3-P7.
 Inputs are padded to a static 1024x1024 (XLA needs static shapes) with
 flip and mild scale jitter. GroupNorm replaces frozen BatchNorm, since the
-backbone here trains from scratch unless pretrained weights are loaded.
+backbone here trains from scratch unless pretrained weights are loaded; to
+fine-tune torchvision's ImageNet ResNet-50 as detectron2 does, add
+`--config.model.backbone.norm=frozen_bn --config.model.backbone.freeze_stages=2
+--config.model.backbone.pretrained=resnet50_backbone.npz` (from
+`python -m detector.convert_pretrained`).
 
 python -m detector.train --config=configs/retinanet_r50_coco.py --workdir=DIR \
     --config.dataset.data_dir=TFDS_DIR

@@ -1,4 +1,9 @@
-"""ResNet backbone (v1.5: stride on the 3x3 conv) returning C2..C5 feature maps."""
+"""ResNet backbone (v1.5: stride on the 3x3 conv) returning C2..C5 feature maps.
+
+Convolutions and the stem's max pool pad symmetrically, as torchvision's
+ResNet does, so ImageNet weights converted by `detector.pretrained` compute
+the same features here; output shapes equal 'SAME' padding's for any input.
+"""
 
 from __future__ import annotations
 
@@ -8,9 +13,43 @@ from typing import Any
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
+from flax import traverse_util
 
 from detector.errors import ConfigError
-from detector.layers import constrain_activation, conv, group_norm, rematerialized
+from detector.layers import (FrozenBatchNorm, constrain_activation, conv, group_norm, rematerialized,
+                             symmetric_padding)
+
+# "group": GroupNorm, trained (from-scratch training at a few images per device).
+# "frozen_bn": BatchNorm with fixed pretrained statistics and affine (fine-tuning ImageNet weights).
+NORMS = ("group", "frozen_bn")
+STEM_NORM_NAME = "stem_norm"
+
+
+def check_norm(norm: str) -> None:
+    if norm not in NORMS:
+        raise ConfigError(f"model.backbone.norm={norm!r}; use one of {', '.join(NORMS)}")
+
+
+def resnet_conv(features: int, kernel_size: int, strides: int = 1, *, dtype: Any,
+                name: str | None = None) -> nn.Conv:
+    """A bias-free convolution padded by `kernel_size // 2` on every side, like torchvision's."""
+    return conv(features, kernel_size, strides, use_bias=False, dtype=dtype,
+                padding=symmetric_padding(kernel_size), name=name)
+
+
+def norm_layer(norm: str, channels: int, *, dtype: Any, zero_init: bool = False,
+               name: str | None = None) -> nn.Module:
+    """The normalisation `norm` names, over `[..., channels]`.
+
+    `zero_init` starts a GroupNorm's scale at 0 (for the last norm of a
+    residual branch). Frozen BatchNorm always starts as the identity: its
+    scale never trains, so a zero would switch the branch off for good.
+    """
+    check_norm(norm)
+    if norm == "frozen_bn":
+        return FrozenBatchNorm(channels, dtype=dtype, name=name)
+    scale_init = nn.initializers.zeros if zero_init else nn.initializers.ones
+    return group_norm(channels, dtype=dtype, scale_init=scale_init, name=name)
 
 
 class BasicBlock(nn.Module):
@@ -19,20 +58,21 @@ class BasicBlock(nn.Module):
     features: int
     strides: int = 1
     dtype: Any = jnp.float32
+    norm: str = "group"
     expansion = 1
 
     @nn.compact
     def __call__(self, x: jax.Array) -> jax.Array:
         residual = x
-        y = conv(self.features, 3, self.strides, use_bias=False, dtype=self.dtype)(x)
-        y = nn.relu(group_norm(self.features, dtype=self.dtype)(y))
-        y = conv(self.features, 3, use_bias=False, dtype=self.dtype)(y)
+        y = resnet_conv(self.features, 3, self.strides, dtype=self.dtype)(x)
+        y = nn.relu(norm_layer(self.norm, self.features, dtype=self.dtype)(y))
+        y = resnet_conv(self.features, 3, dtype=self.dtype)(y)
         # Zero-init of the last norm makes every block start as identity, which
         # trains deep stacks from scratch stably (Goyal et al. 2017).
-        y = group_norm(self.features, dtype=self.dtype, scale_init=nn.initializers.zeros)(y)
+        y = norm_layer(self.norm, self.features, dtype=self.dtype, zero_init=True)(y)
         if residual.shape != y.shape:
-            residual = conv(self.features, 1, self.strides, use_bias=False, dtype=self.dtype)(residual)
-            residual = group_norm(self.features, dtype=self.dtype)(residual)
+            residual = resnet_conv(self.features, 1, self.strides, dtype=self.dtype)(residual)
+            residual = norm_layer(self.norm, self.features, dtype=self.dtype)(residual)
         return constrain_activation(nn.relu(residual + y))
 
 
@@ -42,20 +82,21 @@ class BottleneckBlock(nn.Module):
     features: int
     strides: int = 1
     dtype: Any = jnp.float32
+    norm: str = "group"
     expansion = 4
 
     @nn.compact
     def __call__(self, x: jax.Array) -> jax.Array:
         residual = x
-        y = conv(self.features, 1, use_bias=False, dtype=self.dtype)(x)
-        y = nn.relu(group_norm(self.features, dtype=self.dtype)(y))
-        y = conv(self.features, 3, self.strides, use_bias=False, dtype=self.dtype)(y)
-        y = nn.relu(group_norm(self.features, dtype=self.dtype)(y))
-        y = conv(self.features * 4, 1, use_bias=False, dtype=self.dtype)(y)
-        y = group_norm(self.features * 4, dtype=self.dtype, scale_init=nn.initializers.zeros)(y)
+        y = resnet_conv(self.features, 1, dtype=self.dtype)(x)
+        y = nn.relu(norm_layer(self.norm, self.features, dtype=self.dtype)(y))
+        y = resnet_conv(self.features, 3, self.strides, dtype=self.dtype)(y)
+        y = nn.relu(norm_layer(self.norm, self.features, dtype=self.dtype)(y))
+        y = resnet_conv(self.features * 4, 1, dtype=self.dtype)(y)
+        y = norm_layer(self.norm, self.features * 4, dtype=self.dtype, zero_init=True)(y)
         if residual.shape != y.shape:
-            residual = conv(self.features * 4, 1, self.strides, use_bias=False, dtype=self.dtype)(residual)
-            residual = group_norm(self.features * 4, dtype=self.dtype)(residual)
+            residual = resnet_conv(self.features * 4, 1, self.strides, dtype=self.dtype)(residual)
+            residual = norm_layer(self.norm, self.features * 4, dtype=self.dtype)(residual)
         return constrain_activation(nn.relu(residual + y))
 
 
@@ -71,6 +112,8 @@ class ResNet(nn.Module):
         has width * 2**i (times 4 for bottleneck outputs).
       block: 'basic' or 'bottleneck'.
       remat: rematerialisation policy per block: 'none', 'full' or 'dots'.
+      norm: 'group' (GroupNorm) or 'frozen_bn' (BatchNorm with fixed
+        statistics, for pretrained weights); see `NORMS`.
     Returns:
       dict {level: features}, level l in 2..5 at stride 2**l, `[B, H/2**l, W/2**l, C_l]`.
     """
@@ -80,22 +123,58 @@ class ResNet(nn.Module):
     block: str = "bottleneck"
     remat: str = "none"
     dtype: Any = jnp.float32
+    norm: str = "group"
 
     @nn.compact
     def __call__(self, images: jax.Array) -> dict[int, jax.Array]:
         if self.block not in BLOCKS:
             raise ConfigError(f"model.backbone.block={self.block!r}; use one of {sorted(BLOCKS)}")
+        check_norm(self.norm)
         block_cls = rematerialized(BLOCKS[self.block], self.remat)
         x = images.astype(self.dtype)
-        x = conv(self.width, 7, 2, use_bias=False, dtype=self.dtype, name="stem_conv")(x)
-        x = nn.relu(group_norm(self.width, dtype=self.dtype, name="stem_norm")(x))
-        x = nn.max_pool(x, (3, 3), strides=(2, 2), padding="SAME")
+        x = resnet_conv(self.width, 7, 2, dtype=self.dtype, name="stem_conv")(x)
+        x = nn.relu(norm_layer(self.norm, self.width, dtype=self.dtype, name=STEM_NORM_NAME)(x))
+        # Padding with -inf (what max_pool pads with) on both sides, as torchvision does.
+        x = nn.max_pool(x, (3, 3), strides=(2, 2), padding=((1, 1), (1, 1)))
         x = constrain_activation(x)
         features = {}
         for stage, num_blocks in enumerate(self.stage_sizes):
             for index in range(num_blocks):
                 strides = 2 if stage > 0 and index == 0 else 1
-                x = block_cls(self.width * 2**stage, strides, dtype=self.dtype,
+                x = block_cls(self.width * 2**stage, strides, dtype=self.dtype, norm=self.norm,
                               name=f"stage{stage + 1}_block{index + 1}")(x)
             features[stage + 2] = x
         return features
+
+
+def _stage_of(module_name: str) -> int:
+    # 0 for the stem, s for the blocks of stage s ("stage{s}_block{i}").
+    if module_name.startswith("stem_"):
+        return 0
+    return int(module_name[len("stage"):].split("_", 1)[0])
+
+
+def frozen_parameter_mask(backbone_params, *, norm: str = "group", freeze_stages: int = 0):
+    """Which ResNet parameters the optimizer keeps fixed: a tree of bools shaped like `backbone_params`.
+
+    True for every frozen-BatchNorm parameter when `norm == 'frozen_bn'`, and
+    for everything in the first `freeze_stages` stages, counting the stem as
+    stage 1 (detectron2's FREEZE_AT: 0 trains all, 1 freezes the stem, 2 the
+    stem and the first residual stage, ..., 5 the whole ResNet-50).
+    `backbone_params` is a ResNet params tree; its leaves may be arrays,
+    `jax.ShapeDtypeStruct`s or anything else.
+    """
+    check_norm(norm)
+    flat = traverse_util.flatten_dict(backbone_params)
+    num_stages = 1 + len({key[0].split("_", 1)[0] for key in flat if key[0].startswith("stage")})
+    if not isinstance(freeze_stages, int) or not 0 <= freeze_stages <= num_stages:
+        raise ConfigError(f"model.backbone.freeze_stages={freeze_stages!r}; use an integer from 0 (train all) "
+                          f"to {num_stages} (the stem and all {num_stages - 1} residual stages)")
+
+    def frozen(path: tuple[str, ...]) -> bool:
+        if _stage_of(path[0]) < freeze_stages:
+            return True
+        return norm == "frozen_bn" and (path[0] == STEM_NORM_NAME or
+                                        any(part.startswith(FrozenBatchNorm.__name__) for part in path))
+
+    return traverse_util.unflatten_dict({path: frozen(path) for path in flat})

@@ -86,6 +86,49 @@ def restore_latest(manager: ocp.CheckpointManager,
     return restored[STATE_ITEM], dict(restored[METADATA_ITEM] or {})
 
 
+def restore_params(workdir: str, which: str, abstract_params: Any) -> tuple[Any, int]:
+    """(parameters, step) of a trained workdir, placed by `abstract_params`' shardings.
+
+    `which`: "last" (the newest checkpoint), "best" (the best evaluation's
+    parameters), or a step number of a kept checkpoint. Only the parameters
+    are read, not the optimizer state. Raises FileNotFoundError naming what
+    is there instead.
+    """
+    which = str(which).strip().lower()
+    directory = best_dir(workdir) if which == "best" else checkpoint_dir(workdir)
+    if not directory.exists():
+        raise FileNotFoundError(f"{directory} does not exist: train first (python -m detector.train) or check "
+                                "--workdir")
+    if which == "best":
+        manager = create_best_manager(workdir)
+        step = manager.best_step()
+        item, target = PARAMS_ITEM, abstract_params
+    else:
+        manager = create_manager(workdir, max_to_keep=1 << 30)  # reading: never delete anything
+        steps = manager.all_steps()
+        if which == "last":
+            step = manager.latest_step()
+        elif which.isdigit() and int(which) in steps:
+            step = int(which)
+        else:
+            manager.close()
+            raise FileNotFoundError(
+                f"--checkpoint={which}: no such checkpoint in {checkpoint_dir(workdir)} (steps there: "
+                f"{', '.join(map(str, steps)) or 'none'}); use last, best or one of those steps")
+        item, target = STATE_ITEM, {PARAMS_ITEM: abstract_params}
+    try:
+        if step is None:
+            raise FileNotFoundError(f"no complete checkpoint in {directory}; train first (python -m detector.train) "
+                                    "or check --workdir")
+        restore_args = ocp.checkpoint_utils.construct_restore_args(target)
+        # The full train state holds the optimizer state too; read the parameters alone.
+        restored = manager.restore(step, args=ocp.args.Composite(**{item: ocp.args.PyTreeRestore(
+            item=target, restore_args=restore_args, partial_restore=True)}))[item]
+    finally:
+        manager.close()
+    return (restored if which == "best" else restored[PARAMS_ITEM]), int(step)
+
+
 def input_position(metadata: dict[str, Any], step: int, global_batch_size: int) -> int:
     """Examples of the input stream consumed by the checkpointed run (where to resume reading).
 

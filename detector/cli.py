@@ -7,13 +7,15 @@ re-raises so the traceback is there when it is wanted.
 
 from __future__ import annotations
 
+import logging as pylogging
 import os
 import sys
 from collections.abc import Callable, Sequence
 
-from absl import app, flags
+import jax
+from absl import app, flags, logging
 
-from detector.errors import ConfigError, TrainingError
+from detector.errors import ConfigError, TrainingError, WeightsFileError
 from input_pipeline import DatasetError
 from sharding import MeshError
 from sharding.distributed import DistributedError
@@ -21,8 +23,8 @@ from sharding.distributed import DistributedError
 flags.DEFINE_bool("verbose", False, "Show full tracebacks for errors.")
 
 # Errors that describe bad input, not bugs: reported as one line.
-USER_ERRORS = (ConfigError, DatasetError, DistributedError, MeshError, TrainingError, FileNotFoundError, NotADirectoryError,
-               PermissionError)
+USER_ERRORS = (ConfigError, DatasetError, DistributedError, MeshError, TrainingError, WeightsFileError,
+               FileNotFoundError, NotADirectoryError, PermissionError)
 
 EXIT_USAGE = 2
 EXIT_ERROR = 1
@@ -79,6 +81,35 @@ def use_fast_cpu_convolutions() -> None:
     xla_flags = os.environ.get("XLA_FLAGS", "")
     if "xla_cpu_use_xnnpack" not in xla_flags:
         os.environ["XLA_FLAGS"] = f"{xla_flags} --xla_cpu_use_xnnpack=true".strip()
+
+
+class _ProcessPrefix(pylogging.Filter):
+    """Prefixes every log line with `[process I/N]` so interleaved multi-host logs stay readable."""
+
+    def filter(self, record: pylogging.LogRecord) -> bool:
+        prefix = f"[process {jax.process_index()}/{jax.process_count()}] "
+        if not str(record.msg).startswith(prefix):
+            record.msg = prefix + str(record.msg)
+        return True
+
+
+class _QuietLibraries(pylogging.Filter):
+    """Keeps the libraries' INFO chatter (one line per checkpoint file) out of the log."""
+
+    def filter(self, record: pylogging.LogRecord) -> bool:
+        return record.levelno >= pylogging.WARNING or "/orbax/" not in record.pathname
+
+
+def set_up_logging() -> None:
+    """Process 0 tells the story at INFO; other processes log warnings only, prefixed `[process I/N]`.
+
+    Call after joining the other processes (`sharding.distributed.initialize`).
+    """
+    handler = logging.get_absl_handler()
+    handler.addFilter(_QuietLibraries())
+    if jax.process_count() > 1:
+        handler.addFilter(_ProcessPrefix())
+    logging.set_verbosity(logging.INFO if jax.process_index() == 0 else logging.WARNING)
 
 
 def run(main: Callable[[list[str]], None]) -> None:

@@ -7,3 +7,7 @@ class ConfigError(ValueError):
 
 class TrainingError(RuntimeError):
     """Training cannot go on (e.g. repeated non-finite steps); the message says why and what to change."""
+
+
+class WeightsFileError(ValueError):
+    """A pretrained weights file cannot be read or does not fit the model; the message says which tensors and why."""

@@ -30,13 +30,17 @@ def constrain_activation(x: jax.Array) -> jax.Array:
 def conv(features: int, kernel_size: int = 3, strides: int = 1, *, use_bias: bool = True,
          dtype: Any = jnp.float32,
          kernel_init: Any = nn.initializers.variance_scaling(2.0, "fan_out", "normal"),
-         bias_init: Any = nn.initializers.zeros, name: str | None = None) -> nn.Conv:
-    """`nn.Conv` ('SAME' padding, f32 params) with logically partitioned kernel and bias."""
+         bias_init: Any = nn.initializers.zeros, padding: Any = "SAME", name: str | None = None) -> nn.Conv:
+    """`nn.Conv` (f32 params) with logically partitioned kernel and bias.
+
+    `padding` is what `nn.Conv` takes: 'SAME' (the default) or explicit
+    `((top, bottom), (left, right))` pixels; see `symmetric_padding`.
+    """
     return nn.Conv(
         features,
         (kernel_size, kernel_size),
         strides=(strides, strides),
-        padding="SAME",
+        padding=padding,
         use_bias=use_bias,
         dtype=dtype,
         param_dtype=jnp.float32,
@@ -66,6 +70,42 @@ def group_norm(channels: int, *, num_groups: int = 8, dtype: Any = jnp.float32,
         bias_init=nn.with_logical_partitioning(nn.initializers.zeros, CHANNEL_AXES),
         name=name,
     )
+
+
+def symmetric_padding(kernel_size: int) -> tuple[tuple[int, int], tuple[int, int]]:
+    """`kernel_size // 2` pixels on every side, as PyTorch convolutions pad.
+
+    'SAME' pads a stride-2 3x3 convolution of an even input by (0, 1): the
+    same output shape as (1, 1), but the windows sit one pixel apart, so
+    weights trained in PyTorch would see shifted inputs.
+    """
+    pad = kernel_size // 2
+    return ((pad, pad), (pad, pad))
+
+
+class FrozenBatchNorm(nn.Module):
+    """BatchNorm in inference form with fixed statistics: `y = x * scale + bias` per channel.
+
+    detectron2's FrozenBatchNorm2d: a pretrained BatchNorm's weight `w`, bias
+    `b`, running mean `m` and variance `v` fold into `scale = w / sqrt(v + eps)`
+    and `bias = b - m * scale` (see `detector.pretrained`). Detection batches
+    of a few images per device are too small to re-estimate the statistics,
+    so they stay as pretrained; the optimizer keeps these parameters fixed
+    (`detector.optim`). Initialised as the identity. Parameters `scale`, `bias`:
+    `[channels]` float32, logical axes `('conv_out',)`. Input and output
+    `[..., channels]`.
+    """
+
+    channels: int
+    dtype: Any = jnp.float32
+
+    @nn.compact
+    def __call__(self, x: jax.Array) -> jax.Array:
+        scale = self.param("scale", nn.with_logical_partitioning(nn.initializers.ones, CHANNEL_AXES),
+                           (self.channels,), jnp.float32)
+        bias = self.param("bias", nn.with_logical_partitioning(nn.initializers.zeros, CHANNEL_AXES),
+                          (self.channels,), jnp.float32)
+        return x.astype(self.dtype) * scale.astype(self.dtype) + bias.astype(self.dtype)
 
 
 REMAT_POLICIES = {

@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import jax
 import optax
+from flax import traverse_util
 
+from detector.backbone import check_norm, frozen_parameter_mask
 from detector.errors import ConfigError
 
 
@@ -36,8 +38,40 @@ def _decay_mask(params):
     return jax.tree.map(lambda p: p.ndim > 1, params)
 
 
-def create_optimizer(optimizer_config, total_steps: int) -> tuple[optax.GradientTransformation, optax.Schedule]:
-    """Returns (optimizer, schedule). Names: 'adamw' or 'sgd' (momentum, decoupled decay)."""
+def frozen_parameters(model_config):
+    """`params -> tree of bools` (True: keep fixed) for `config.model`, or None when every parameter trains.
+
+    Frozen: a ResNet's frozen-BatchNorm parameters (`model.backbone.norm ==
+    'frozen_bn'`) and its first `model.backbone.freeze_stages` stages (see
+    `detector.backbone.frozen_parameter_mask`). Other backbones freeze nothing.
+    """
+    backbone_config = model_config.backbone
+    if backbone_config.get("name", None) != "resnet":
+        return None
+    norm = backbone_config.get("norm", "group")
+    freeze_stages = backbone_config.get("freeze_stages", 0)
+    check_norm(norm)
+    if not isinstance(freeze_stages, int) or freeze_stages < 0:
+        raise ConfigError(f"model.backbone.freeze_stages={freeze_stages!r}; use an integer >= 0")
+    if norm != "frozen_bn" and freeze_stages == 0:
+        return None
+
+    def mask(params):
+        frozen = traverse_util.flatten_dict(
+            frozen_parameter_mask(params["backbone"], norm=norm, freeze_stages=freeze_stages))
+        return traverse_util.unflatten_dict({path: path[0] == "backbone" and frozen[path[1:]]
+                                             for path in traverse_util.flatten_dict(params)})
+
+    return mask
+
+
+def create_optimizer(optimizer_config, total_steps: int, *,
+                     model_config=None) -> tuple[optax.GradientTransformation, optax.Schedule]:
+    """Returns (optimizer, schedule). Names: 'adamw' or 'sgd' (momentum, decoupled decay).
+
+    With `model_config` (`config.model`), parameters the model config freezes
+    (see `frozen_parameters`) get zero updates.
+    """
     schedule = learning_rate_schedule(optimizer_config, total_steps)
     name = optimizer_config.name
     if name == "adamw":
@@ -53,4 +87,14 @@ def create_optimizer(optimizer_config, total_steps: int) -> tuple[optax.Gradient
     if optimizer_config.grad_clip_norm and optimizer_config.grad_clip_norm > 0:
         parts.append(optax.clip_by_global_norm(optimizer_config.grad_clip_norm))
     parts.append(base)
-    return optax.chain(*parts), schedule
+    tx = optax.chain(*parts)
+    frozen = frozen_parameters(model_config) if model_config is not None else None
+    if frozen is not None:
+        # Zeroed before the optimizer, frozen gradients count neither in
+        # clipping nor in momenta; zeroed after it, weight decay cannot move
+        # them either. The optimizer state keeps the shape of all parameters
+        # (zero momenta for frozen ones), so checkpoints and shardings do
+        # not depend on what is frozen.
+        keep_fixed = optax.masked(optax.set_to_zero(), frozen)
+        tx = optax.chain(keep_fixed, tx, keep_fixed)
+    return tx, schedule

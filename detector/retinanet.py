@@ -95,7 +95,8 @@ def create_model(model_config, num_classes: int, num_anchors: int) -> RetinaNet:
     """Builds the detector from `config.model`.
 
     `model.backbone.name` picks the trunk: 'resnet' (with an FPN neck) or 'vit'
-    (with ViTDet's simple feature pyramid). `model.dtype` is the compute dtype;
+    (with ViTDet's simple feature pyramid); a ResNet's `model.backbone.norm`
+    picks its normalisation ('group' or 'frozen_bn'). `model.dtype` is the compute dtype;
     parameters, optimizer state and losses stay float32.
     """
     if model_config.dtype not in DTYPES:
@@ -106,7 +107,7 @@ def create_model(model_config, num_classes: int, num_anchors: int) -> RetinaNet:
     levels = dict(min_level=model_config.anchors.min_level, max_level=model_config.anchors.max_level)
     if name == "resnet":
         backbone = ResNet(tuple(backbone_config.stage_sizes), backbone_config.width, backbone_config.block,
-                          model_config.remat, dtype)
+                          model_config.remat, dtype, norm=backbone_config.get("norm", "group"))
         neck = FPN(model_config.fpn_features, **levels, dtype=dtype)
     elif name == "vit":
         backbone = ViT(patch_size=backbone_config.patch_size, embed_dim=backbone_config.embed_dim,

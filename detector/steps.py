@@ -156,3 +156,21 @@ def compile_train_step(config: ml_collections.ConfigDict, model: nn.Module, tx, 
     compiled = train_fn.lower(abstract_state, abstract_batch(config, config.global_batch_size,
                                                              batch_sharding)).compile()
     return compiled, abstract_state, shardings
+
+
+def compile_predict_step(config: ml_collections.ConfigDict, model: nn.Module, *, abstract_params: Any,
+                         param_shardings: Any, mesh: jax.sharding.Mesh, batch_size: int) -> Any:
+    """Compiles `predict_step` for global batches of `batch_size`, sharded like training.
+
+    Must run inside `jax.set_mesh(mesh)` and `nn.logical_axis_rules(rules)`.
+    Returns the compiled `(params, global_batch) -> outputs` (see `predict_step`).
+    """
+    batch_sharding = sharding.batch_sharding(mesh, sharding.batch_axes(mesh))
+    predict_fn = jax.jit(
+        functools.partial(predict_step, model=model, anchors=anchors_for_config(config),
+                          postprocess_config=config.postprocess, image_size=tuple(config.input.image_size),
+                          box_coder_weights=tuple(config.loss.box_coder_weights)),
+        in_shardings=(param_shardings, batch_sharding),
+        out_shardings=batch_sharding,
+    )
+    return predict_fn.lower(abstract_params, abstract_batch(config, batch_size, batch_sharding)).compile()

@@ -11,9 +11,7 @@ workdir that holds a checkpoint resumes from it.
 
 from __future__ import annotations
 
-import functools
 import json
-import logging as pylogging
 import time
 
 import flax.linen as nn
@@ -31,6 +29,7 @@ from detector import checkpointing, cli, evaluation, optim, steps
 from detector import preemption as preemption_lib
 from detector.errors import ConfigError, TrainingError
 from detector.metric_writers import MetricWriter
+from detector.pretrained import load_backbone_params
 from detector.retinanet import create_model
 from detector.train_state import count_params, init_train_state
 from sharding import distributed, memory, plan
@@ -82,7 +81,7 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict[
     data_report = _DataReport(config, workdir_path, enabled=is_primary)
     num_anchors = steps.num_anchors_per_location(config)
     model = create_model(config.model, dataset_info.num_classes, num_anchors)
-    tx, schedule = optim.create_optimizer(config.optimizer, config.total_steps)
+    tx, schedule = optim.create_optimizer(config.optimizer, config.total_steps, model_config=config.model)
     anchors = steps.anchors_for_config(config)
     image_size = tuple(config.input.image_size)
 
@@ -93,15 +92,9 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict[
         compile_start = time.perf_counter()
         compiled_train, abstract_state, state_shardings_tree = steps.compile_train_step(
             config, model, tx, schedule, num_classes=dataset_info.num_classes, mesh=mesh, rules=rules)
-        predict_fn = jax.jit(
-            functools.partial(steps.predict_step, model=model, anchors=anchors,
-                              postprocess_config=config.postprocess, image_size=image_size,
-                              box_coder_weights=tuple(config.loss.box_coder_weights)),
-            in_shardings=(state_shardings_tree.params, batch_sharding),
-            out_shardings=batch_sharding,
-        )
-        compiled_predict = predict_fn.lower(
-            abstract_state.params, steps.abstract_batch(config, config.eval_batch_size, batch_sharding)).compile()
+        compiled_predict = steps.compile_predict_step(
+            config, model, abstract_params=abstract_state.params, param_shardings=state_shardings_tree.params,
+            mesh=mesh, batch_size=config.eval_batch_size)
         logging.info("compiled train and predict steps in %.1fs", time.perf_counter() - compile_start)
 
     num_params = count_params(abstract_state.params)
@@ -123,6 +116,11 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict[
     restored = checkpointing.restore_latest(manager, abstract_state)
     if restored is None:
         state = init_train_state(model, tx, image_size, state_shardings_tree, jax.random.key(config.seed))
+        pretrained = config.model.backbone.get("pretrained", "")
+        if pretrained:
+            # Only on a fresh start: a resumed run continues from its own checkpoint.
+            state = state.replace(params=load_backbone_params(state.params, pretrained))
+            logging.info("backbone initialised from %s", pretrained)
         start_step, start_position = 0, 0
     else:
         state, metadata = restored
@@ -300,34 +298,12 @@ class _DataReport:
             self._path.write_text(json.dumps(self._report, indent=2))
 
 
-class _ProcessPrefix(pylogging.Filter):
-    """Prefixes every log line with `[process I/N]` so interleaved multi-host logs stay readable."""
-
-    def filter(self, record: pylogging.LogRecord) -> bool:
-        prefix = f"[process {jax.process_index()}/{jax.process_count()}] "
-        if not str(record.msg).startswith(prefix):
-            record.msg = prefix + str(record.msg)
-        return True
-
-
-class _QuietLibraries(pylogging.Filter):
-    """Keeps the libraries' INFO chatter (one line per checkpoint file) out of the training log."""
-
-    def filter(self, record: pylogging.LogRecord) -> bool:
-        return record.levelno >= pylogging.WARNING or "/orbax/" not in record.pathname
-
-
 def main(argv: list[str]) -> None:
     if len(argv) > 1:
         raise ConfigError(f"unexpected arguments: {' '.join(argv[1:])}; pass options as --flag=value")
     # Join the other processes (flags or a detected cluster) before anything touches the devices.
     distributed.initialize(distributed.options_from_flags())
-    handler = logging.get_absl_handler()
-    handler.addFilter(_QuietLibraries())
-    if jax.process_count() > 1:
-        handler.addFilter(_ProcessPrefix())
-    # Every process trains; process 0 alone tells the story, the others only warn.
-    logging.set_verbosity(logging.INFO if jax.process_index() == 0 else logging.WARNING)
+    cli.set_up_logging()
     logging.info("%s", distributed.describe())
     train_and_evaluate(_CONFIG.value, _WORKDIR.value)
 

@@ -39,6 +39,20 @@ def _init_params(model: nn.Module, image_size: tuple[int, int], rng: jax.Array):
     return model.init(rng, dummy_images)["params"]
 
 
+def params_shardings(model: nn.Module, image_size: tuple[int, int], mesh: Mesh, rules) -> tuple[Any, Any]:
+    """(abstract parameters, their NamedShardings) on `mesh`, without allocating anything.
+
+    What inference needs (no optimizer state). Must run inside
+    `jax.set_mesh(mesh)` and `nn.logical_axis_rules(rules)`.
+    """
+    boxed = jax.eval_shape(lambda r: _init_params(model, image_size, r), jax.random.key(0))
+    abstract_params = _strip_axis_metadata(boxed)
+    shardings = mesh_sharding_for_logical_specs(abstract_params, nn.get_partition_spec(boxed), mesh, rules)
+    abstract_params = jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s),
+                                   abstract_params, shardings)
+    return abstract_params, shardings
+
+
 def state_shardings(model: nn.Module, tx: optax.GradientTransformation, image_size: tuple[int, int],
                     mesh: Mesh, rules) -> tuple[TrainState, TrainState]:
     """Returns (abstract_state, shardings) without allocating parameters.
@@ -47,10 +61,7 @@ def state_shardings(model: nn.Module, tx: optax.GradientTransformation, image_si
     form Orbax needs to restore a checkpoint onto this mesh.
     Must run inside `jax.set_mesh(mesh)` and `nn.logical_axis_rules(rules)`.
     """
-    boxed = jax.eval_shape(lambda r: _init_params(model, image_size, r), jax.random.key(0))
-    logical_specs = nn.get_partition_spec(boxed)
-    abstract_params = _strip_axis_metadata(boxed)
-    param_shardings = mesh_sharding_for_logical_specs(abstract_params, logical_specs, mesh, rules)
+    abstract_params, param_shardings = params_shardings(model, image_size, mesh, rules)
     abstract_opt_state = jax.eval_shape(tx.init, abstract_params)
     opt_shardings = optax.tree_map_params(
         tx, lambda _, sharding: sharding, abstract_opt_state, param_shardings,

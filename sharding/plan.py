@@ -119,7 +119,7 @@ def plan_train_step(config, devices=None) -> StepPlan:
     sharding.check_global_batch(config.global_batch_size, mesh)
     num_classes = len(datasets.class_names(config))
     model = create_model(config.model, num_classes, steps.num_anchors_per_location(config))
-    tx, schedule = optim.create_optimizer(config.optimizer, config.total_steps)
+    tx, schedule = optim.create_optimizer(config.optimizer, config.total_steps, model_config=config.model)
     start = time.perf_counter()
     with jax.set_mesh(mesh), nn.logical_axis_rules(rules):
         compiled, abstract_state, _ = steps.compile_train_step(

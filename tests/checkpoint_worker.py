@@ -14,19 +14,16 @@ saving the restored state there, as the trainer saves.
 import json
 
 import flax
-import flax.linen as nn
 import jax
 import ml_collections
 import numpy as np
 from absl import app
 from jax.experimental import multihost_utils
 
-import input_pipeline
 import sharding
-from detector import checkpointing, optim, steps
-from detector.retinanet import create_model
-from detector.train_state import state_shardings
+from detector import checkpointing
 from sharding import distributed
+from sharded_training import abstract_state_on_mesh
 
 distributed.define_flags()
 
@@ -38,12 +35,7 @@ def main(argv):
     config = ml_collections.ConfigDict(json.loads(open(config_json).read()))
     data, fsdp, model_axis = map(int, mesh_shape.split(","))
     mesh = sharding.create_mesh(dict(data=data, fsdp=fsdp, model=model_axis))
-    rules = sharding.logical_rules(config.sharding)
-    info = input_pipeline.get_dataset_info(config)
-    model = create_model(config.model, info.num_classes, steps.num_anchors_per_location(config))
-    tx, _ = optim.create_optimizer(config.optimizer, config.total_steps)
-    with jax.set_mesh(mesh), nn.logical_axis_rules(rules):
-        abstract_state, _ = state_shardings(model, tx, tuple(config.input.image_size), mesh, rules)
+    abstract_state = abstract_state_on_mesh(config, mesh)
 
     manager = checkpointing.create_manager(src, max_to_keep=config.keep_checkpoints)
     state, metadata = checkpointing.restore_latest(manager, abstract_state)

@@ -21,3 +21,17 @@ assert jax.device_count() == 8, (
     "tests need 8 fake CPU devices; jax was imported before tests/conftest.py "
     f"set XLA_FLAGS (found {jax.device_count()} devices)"
 )
+
+
+# Modules that start real processes or compile many programs, longest first:
+# scheduled first, so the two xdist workers (--dist loadfile) finish together
+# instead of one waiting on a long module that started last.
+SLOW_MODULES = ("test_fault_tolerance.py", "test_model_parallel.py", "test_train.py", "test_sharded_equivalence.py")
+
+
+def pytest_collection_modifyitems(config, items):
+    def rank(item):
+        name = item.path.name
+        return SLOW_MODULES.index(name) if name in SLOW_MODULES else len(SLOW_MODULES)
+
+    items.sort(key=rank)  # stable: the order within each module and among the rest is kept

@@ -15,9 +15,20 @@ import sharding
 from detector import optim, steps
 from detector.retinanet import create_model
 from configs import default
-from detector.train_state import TrainState, describe_param_shardings
+from detector.train_state import TrainState, describe_param_shardings, state_shardings
 
 NUM_CLASSES = 4  # synthetic_shapes
+
+
+def abstract_state_on_mesh(config, mesh) -> TrainState:
+    """The trainer's train state for `config` as ShapeDtypeStructs carrying `mesh`'s shardings (restore target)."""
+    rules = sharding.logical_rules(config.sharding)
+    info = input_pipeline.get_dataset_info(config)
+    model = create_model(config.model, info.num_classes, steps.num_anchors_per_location(config))
+    tx, _ = optim.create_optimizer(config.optimizer, config.total_steps, model_config=config.model)
+    with jax.set_mesh(mesh), nn.logical_axis_rules(rules):
+        abstract_state, _ = state_shardings(model, tx, tuple(config.input.image_size), mesh, rules)
+    return abstract_state
 
 
 def train_on_mesh(config, mesh_shape, initial_params, batches, num_classes: int) -> types.SimpleNamespace:
@@ -30,7 +41,7 @@ def train_on_mesh(config, mesh_shape, initial_params, batches, num_classes: int)
     mesh = sharding.create_mesh(dict(zip(sharding.MESH_AXES, mesh_shape)), devices=devices)
     rules = sharding.logical_rules(config.sharding)
     model = create_model(config.model, num_classes, steps.num_anchors_per_location(config))
-    tx, schedule = optim.create_optimizer(config.optimizer, config.total_steps)
+    tx, schedule = optim.create_optimizer(config.optimizer, config.total_steps, model_config=config.model)
     with jax.set_mesh(mesh), nn.logical_axis_rules(rules):
         compiled, _, shardings = steps.compile_train_step(config, model, tx, schedule, num_classes=num_classes,
                                                           mesh=mesh, rules=rules)

@@ -31,7 +31,7 @@ from detector import checkpointing, optim, steps, train
 from detector.errors import TrainingError
 from detector.retinanet import create_model
 from detector.train_state import describe_param_shardings, state_shardings
-from sharded_training import assert_same_training, train_on_mesh
+from sharded_training import abstract_state_on_mesh, assert_same_training, train_on_mesh
 from tiny_config import make_config
 
 TRAIN_KEYS = {"step", "loss", "cls_loss", "box_loss", "learning_rate", "images_per_second"}
@@ -50,12 +50,7 @@ def checkpoint_steps(workdir):
 def restore_latest(workdir, config):
     """(state as numpy, metadata, step) of the newest checkpoint in `workdir`, restored onto one device."""
     mesh = sharding.create_mesh(dict(data=1, fsdp=1, model=1), devices=jax.devices()[:1])
-    rules = sharding.logical_rules(config.sharding)
-    info = input_pipeline.get_dataset_info(config)
-    model = create_model(config.model, info.num_classes, steps.num_anchors_per_location(config))
-    tx, _ = optim.create_optimizer(config.optimizer, config.total_steps)
-    with jax.set_mesh(mesh), nn.logical_axis_rules(rules):
-        abstract_state, _ = state_shardings(model, tx, tuple(config.input.image_size), mesh, rules)
+    abstract_state = abstract_state_on_mesh(config, mesh)
     manager = checkpointing.create_manager(str(workdir), max_to_keep=config.keep_checkpoints)
     try:
         step = manager.latest_step()

@@ -39,4 +39,5 @@ def make_config(data_dir, **overrides):
 def as_flags(data_dir, **overrides) -> list[str]:
     """The same config as command-line flags for `python -m detector.train --config=configs/default.py`."""
     values = {"dataset.data_dir": str(data_dir), **OVERRIDES, **overrides}
-    return [f"--config.{key}={value}" for key, value in values.items()]
+    # No spaces inside tuples, so the flags survive a shell's word splitting too.
+    return [f"--config.{key}={str(value).replace(' ', '')}" for key, value in values.items()]

@@ -1,0 +1,42 @@
+"""Evaluates a trained workdir on its config's eval split: the COCO table and per-class AP.
+
+  python -m detector.evaluate --config=configs/default.py --workdir=runs/default
+  python -m detector.evaluate --config=... --workdir=DIR --checkpoint=best    # or last, or a step
+
+Evaluation is sharded like training (the config's mesh; several processes
+join as for training). Process 0 prints the COCO metrics and a per-class
+table and writes, under `--output` (default `WORKDIR/evaluation/STEP`):
+  metrics.json     the COCO metrics, per-class AP/AP50/AP75 and instance counts
+  detections.json  the detections in COCO results format (original pixels,
+                   the dataset's category ids), to score again with pycocotools
+"""
+
+from __future__ import annotations
+
+from absl import flags
+from ml_collections import config_flags
+
+from detector import cli
+from detector.errors import ConfigError
+from detector.inference import evaluate_workdir
+from sharding import distributed
+
+_CONFIG = config_flags.DEFINE_config_file("config", None, "Path to the training config file.", lock_config=True)
+_WORKDIR = flags.DEFINE_string("workdir", None, "The training run's directory (its checkpoints are read).")
+_CHECKPOINT = flags.DEFINE_string("checkpoint", "last", "Which parameters: last, best, or a checkpoint step.")
+_OUTPUT = flags.DEFINE_string("output", None, "Directory for metrics.json and detections.json "
+                              "(default WORKDIR/evaluation/STEP).")
+flags.mark_flags_as_required(["config", "workdir"])
+distributed.define_flags()
+
+
+def main(argv: list[str]) -> None:
+    if len(argv) > 1:
+        raise ConfigError(f"unexpected arguments: {' '.join(argv[1:])}; pass options as --flag=value")
+    distributed.initialize(distributed.options_from_flags())
+    cli.set_up_logging()
+    evaluate_workdir(_CONFIG.value, _WORKDIR.value, _CHECKPOINT.value, _OUTPUT.value)
+
+
+if __name__ == "__main__":
+    cli.run(main)
