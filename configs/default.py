@@ -150,4 +150,7 @@ def get_config() -> ml_collections.ConfigDict:
     # this many in a row stop training with an error (0: never stop).
     config.max_consecutive_nonfinite = 10
     config.eval_batch_size = 32
+    # Validation images shown in TensorBoard at every evaluation (predictions |
+    # ground truth); the first ones of the eval split, the same every time.
+    config.eval_pictures = 4
     return config

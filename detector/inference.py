@@ -27,6 +27,7 @@ from PIL import Image, ImageOps, UnidentifiedImageError
 import input_pipeline
 import sharding
 from input_pipeline import transforms
+from input_pipeline.progress import track
 from detector import checkpointing, evaluation, steps, visualize
 from detector.retinanet import create_model
 from detector.train_state import params_shardings
@@ -114,7 +115,8 @@ def evaluate_workdir(config: ml_collections.ConfigDict, workdir: str, checkpoint
     eval_iter = input_pipeline.create_eval_iterator(predictor.config, first_row=predictor.first_row())
     batches = (predictor.global_batch(batch) for batch in eval_iter.batches)
     predicted = evaluation.predict_all(predictor.predict, predictor.params,
-                                       _with_progress(batches, eval_iter.num_batches),
+                                       track(batches, "eval", eval_iter.num_batches, unit="batches",
+                                             log_every_s=10.0, enabled=jax.process_index() == 0),
                                        label_to_category_id=predictor.dataset_info.label_to_category_id)
     if predicted is None:
         return None
@@ -149,18 +151,6 @@ def format_report(report: dict[str, Any]) -> str:
     return (f"COCO bbox metrics of step {report['step']} ({report['checkpoint']}) on {report['images']} "
             f"{report['dataset']} images, {report['detections']} detections:\n{coco}\n\nper class "
             f"(all sizes, 100 detections per image; '-': no ground truth):\n{per_class}")
-
-
-def _with_progress(batches, num_batches: int):
-    """Passes batches through, logging progress about every 10% (plain lines: logs are often files)."""
-    every = max(1, num_batches // 10)
-    start = time.perf_counter()
-    for index, batch in enumerate(batches, start=1):
-        yield batch
-        if index % every == 0 or index == num_batches:
-            elapsed = time.perf_counter() - start
-            logging.info("eval batch %d/%d, %.1f batches/s, ETA %.0fs", index, num_batches, index / elapsed,
-                         (num_batches - index) * elapsed / index)
 
 
 # ----------------------------------------------------------------------------
@@ -238,7 +228,8 @@ def predict_images(predictor: Predictor, inputs: Sequence[str], output: str) -> 
     entries: list[dict[str, Any]] = []
     start = time.perf_counter()
     num_batches = -(-len(paths) // global_size)
-    for batch_index in range(num_batches):
+    for batch_index in track(range(num_batches), "predict", num_batches, unit="batches", log_every_s=10.0,
+                             enabled=is_primary):
         first = batch_index * global_size
         images = {i: read_image(paths[i]) for i in (first + row for row in local_rows) if i < len(paths)}
         rows = [_network_input(images[i], i, opts) if images.get(i) is not None else blank
@@ -264,10 +255,6 @@ def predict_images(predictor: Predictor, inputs: Sequence[str], output: str) -> 
                 image, boxes_yxyx, np.array([label_of_category[d["category_id"]] for d in mine], np.int32),
                 np.array([d["score"] for d in mine], np.float32), info.class_names)
             visualize.save_png(picture, output_dir / pictures[image_id])
-        if (batch_index + 1) % max(1, num_batches // 10) == 0 or batch_index + 1 == num_batches:
-            elapsed = time.perf_counter() - start
-            logging.info("predict batch %d/%d, %.1f images/s", batch_index + 1, num_batches,
-                         (batch_index + 1) * global_size / elapsed)
     if not is_primary:
         return None
     output_dir.mkdir(parents=True, exist_ok=True)

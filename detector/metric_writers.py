@@ -11,6 +11,7 @@ import logging
 import math
 from collections.abc import Mapping
 
+import numpy as np
 from etils import epath
 
 TRAIN_METRICS_FILE = "train_metrics.jsonl"
@@ -81,6 +82,15 @@ class MetricWriter:
 
     def write_eval(self, step: int, metrics: Mapping[str, float]) -> None:
         self._write(EVAL_METRICS_FILE, "eval", step, metrics)
+
+    def write_images(self, step: int, images: Mapping[str, np.ndarray]) -> None:
+        """TensorBoard image summaries: name -> uint8 `[N, H, W, 3]` (all N shown)."""
+        if not self._enabled:
+            return
+        with self._summary_writer.as_default(step=int(step)):
+            for name, batch in images.items():
+                self._tf.summary.image(name, batch, max_outputs=len(batch))
+        self._summary_writer.flush()
 
     def close(self) -> None:
         if self._summary_writer is not None:

@@ -24,25 +24,22 @@ from jax.experimental import multihost_utils
 from ml_collections import config_flags
 
 import input_pipeline
+from input_pipeline import transforms
 import sharding
-from detector import checkpointing, cli, evaluation, optim, steps
+from detector import checkpointing, cli, evaluation, optim, plots, steps, visualize
 from detector import preemption as preemption_lib
 from detector.errors import ConfigError, TrainingError
 from detector.metric_writers import MetricWriter
 from detector.pretrained import load_backbone_params
 from detector.retinanet import create_model
 from detector.train_state import count_params, init_train_state
+from input_pipeline.progress import Progress, format_duration, track
 from sharding import distributed, memory, plan
 
 _CONFIG = config_flags.DEFINE_config_file("config", None, "Path to a config file (get_config()).", lock_config=True)
 _WORKDIR = flags.DEFINE_string("workdir", None, "Directory for checkpoints, metrics and logs.")
 flags.mark_flags_as_required(["config", "workdir"])
 distributed.define_flags()
-
-
-def _format_duration(seconds: float) -> str:
-    seconds = int(max(0, seconds))
-    return f"{seconds // 3600}h{seconds % 3600 // 60:02d}m" if seconds >= 3600 else f"{seconds // 60}m{seconds % 60:02d}s"
 
 
 def _with_batch_size(config: ml_collections.ConfigDict, global_batch_size: int) -> ml_collections.ConfigDict:
@@ -140,11 +137,15 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict[
     ground_truth = input_pipeline.coco_ground_truth(config) if is_primary else None
     writer = MetricWriter(workdir, enabled=is_primary)
     writer.discard_after(start_step)
+    pictures = _EvalPictures(config, eval_config, mesh, batch_axes, batch_sharding, dataset_info.class_names,
+                             enabled=is_primary)
 
     def run_eval(step: int) -> dict[str, float] | None:
         eval_iter = input_pipeline.create_eval_iterator(
             eval_config, first_row=input_pipeline.process_rows(batch_sharding, config.eval_batch_size))
-        global_batches = (input_pipeline.to_global_batch(b, mesh, batch_axes) for b in eval_iter.batches)
+        batches = track(eval_iter.batches, f"eval at step {step}", eval_iter.num_batches, unit="batches",
+                        log_every_s=60.0, enabled=is_primary)
+        global_batches = (input_pipeline.to_global_batch(b, mesh, batch_axes) for b in batches)
         metrics = evaluation.evaluate(compiled_predict, state.params, global_batches,
                                       ground_truth=ground_truth,
                                       label_to_category_id=dataset_info.label_to_category_id)
@@ -156,17 +157,23 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict[
             summary = {k: metrics[k] for k in ("AP", "AP50", "AP75", "APs", "APm", "APl", "AR100")}
             logging.info("eval step %d: %s", step, " ".join(f"{k} {v:.3f}" for k, v in summary.items()))
             writer.write_eval(step, summary)
+        pictures.write(step, compiled_predict, state.params, writer)
+        if is_primary:
+            plots.write_training_plots(workdir)
         return metrics
 
     try:
         # --------------------------------------------------------------------
         # Training loop.
         # --------------------------------------------------------------------
-        with preemption_lib.PreemptionWatch() as preemption:
-            total_steps = config.total_steps
+        total_steps = config.total_steps
+        # A live line on terminals; the periodic log lines below are the record everywhere.
+        with preemption_lib.PreemptionWatch() as preemption, Progress(
+                "step", total_steps, unit="steps", log_every_s=None, enabled=is_primary,
+                initial=start_step) as progress:
             stopped_early = False
             nonfinite = _NonFiniteSteps(int(config.max_consecutive_nonfinite))
-            last_metrics = None
+            last_metrics, last_logged = None, {}
             pending: list[dict[str, jax.Array]] = []
             window_start, window_wait, window_steps = time.perf_counter(), 0.0, 0
             for step in range(start_step + 1, total_steps + 1):
@@ -176,6 +183,7 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict[
                 state, metrics = compiled_train(state, batch)
                 pending.append(metrics)
                 window_steps += 1
+                progress.update(step, **last_logged)
                 # Every process asks after every step; all get the same answer.
                 stopped_early = preemption.reached_stop_step(step) and step < total_steps
 
@@ -197,8 +205,9 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict[
                         "step %d/%d | loss %.4f (cls %.4f box %.4f) | lr %.2e | grad norm %.3f | %.1f img/s | "
                         "input wait %.0f%% | ETA %s", step, total_steps, summary["loss"], summary["cls_loss"],
                         summary["box_loss"], summary["learning_rate"], summary["grad_norm"],
-                        summary["images_per_second"], 100 * summary["input_wait_fraction"], _format_duration(eta))
+                        summary["images_per_second"], 100 * summary["input_wait_fraction"], format_duration(eta))
                     writer.write_train(step, summary)
+                    last_logged = {"loss": summary["loss"], "img/s": round(summary["images_per_second"], 1)}
                     data_report.update("train", train_iter.input_counts)
                     pending.clear()
                     window_start, window_wait, window_steps = time.perf_counter(), 0.0, 0
@@ -229,6 +238,39 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict[
     if is_primary and last_metrics is not None:
         logging.info("final COCO metrics: %s", json.dumps({k: round(v, 4) for k, v in last_metrics.items()}))
     return last_metrics
+
+
+class _EvalPictures:
+    """The first `config.eval_pictures` validation images, predicted at every evaluation for TensorBoard.
+
+    The batch is read once and kept on the devices; every process takes part
+    in predicting it, process 0 draws "predictions | ground truth" panels.
+    """
+
+    def __init__(self, config, eval_config, mesh, batch_axes, batch_sharding, class_names, *, enabled: bool):
+        self._count = int(config.get("eval_pictures", 0))
+        self._enabled = enabled
+        self._class_names = class_names
+        options = transforms.TransformOptions.from_config(config)
+        self._mean_rgb, self._std_rgb = options.mean_rgb, options.std_rgb
+        self._batch = self._host_batch = None
+        if self._count <= 0:
+            return
+        eval_iter = input_pipeline.create_eval_iterator(
+            eval_config, first_row=input_pipeline.process_rows(batch_sharding, eval_config.global_batch_size))
+        self._batch = input_pipeline.to_global_batch(next(iter(eval_iter.batches)), mesh, batch_axes)
+        self._host_batch = jax.tree.map(np.array, multihost_utils.process_allgather(self._batch, tiled=True))
+        self._host_batch["example_mask"][self._count:] = False
+
+    def write(self, step: int, predict, params, writer: MetricWriter) -> None:
+        if self._batch is None:
+            return
+        outputs = multihost_utils.process_allgather(predict(params, self._batch), tiled=True)
+        if self._enabled:
+            panels = visualize.prediction_panels(self._host_batch, jax.tree.map(np.asarray, outputs),
+                                                 mean_rgb=self._mean_rgb, std_rgb=self._std_rgb,
+                                                 class_names=self._class_names)
+            writer.write_images(step, {"eval/predictions_vs_ground_truth": panels})
 
 
 class _NonFiniteSteps:

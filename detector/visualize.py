@@ -257,3 +257,40 @@ def save_png(image, path) -> epath.Path:
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_bytes(buffer.getvalue())
     return path
+
+
+def prediction_panels(batch: dict[str, np.ndarray], outputs: dict[str, np.ndarray], *, mean_rgb, std_rgb,
+                      class_names=None, score_threshold: float = 0.3) -> np.ndarray:
+    """"predictions | ground truth" pictures of a batch as the network saw it.
+
+    Args:
+      batch: host numpy of an eval batch: image `[B, H, W, 3]` normalized,
+        boxes `[B, M, 4]` yxyx network pixels, labels / boxes_mask `[B, M]`,
+        scale `[B]`, original_size `[B, 2]`, example_mask `[B]`.
+      outputs: `steps.predict_step`'s outputs for it (boxes in network pixels).
+      mean_rgb, std_rgb: the normalization to undo (0-255 units).
+      score_threshold: predictions below it are not drawn.
+    Returns:
+      uint8 `[N, H', W' * 2 + gap, 3]`, one panel per real example, cropped to
+      the resized image (no padding).
+    """
+    panels = []
+    for i in np.flatnonzero(batch["example_mask"]):
+        height, width = np.ceil(np.asarray(batch["original_size"][i], np.float64) * batch["scale"][i]).astype(int)
+        height, width = max(1, min(height, batch["image"].shape[1])), max(1, min(width, batch["image"].shape[2]))
+        pixels = batch["image"][i, :height, :width] * np.asarray(std_rgb) + np.asarray(mean_rgb)
+        image = np.clip(np.round(pixels), 0, 255).astype(np.uint8)
+        keep = outputs["valid"][i] & (outputs["scores"][i] >= score_threshold)
+        predicted = draw_detections(image, outputs["boxes"][i][keep], outputs["classes"][i][keep],
+                                    outputs["scores"][i][keep], class_names)
+        real = batch["boxes_mask"][i]
+        truth = draw_detections(image, batch["boxes"][i][real], batch["labels"][i][real], None, class_names)
+        panels.append(side_by_side(predicted, truth))
+    if not panels:
+        return np.zeros((0, 1, 1, 3), np.uint8)
+    height = max(p.shape[0] for p in panels)
+    width = max(p.shape[1] for p in panels)
+    padded = np.full((len(panels), height, width, 3), 255, np.uint8)
+    for padded_panel, panel in zip(padded, panels):
+        padded_panel[:panel.shape[0], :panel.shape[1]] = panel
+    return padded

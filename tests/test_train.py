@@ -154,7 +154,12 @@ def test_training_writes_checkpoints_metrics_and_tensorboard(reference_run):
     assert event_files
     tags = {value.tag for path in event_files
             for event in tf.compat.v1.train.summary_iterator(str(path)) for value in event.summary.value}
-    assert {"train/loss", "train/learning_rate", "eval/AP"} <= tags
+    assert {"train/loss", "train/learning_rate", "eval/AP", "eval/predictions_vs_ground_truth"} <= tags
+    [pictures] = [value for path in event_files for event in tf.compat.v1.train.summary_iterator(str(path))
+                  for value in event.summary.value if value.tag == "eval/predictions_vs_ground_truth"]
+    panels = tf.make_ndarray(pictures.tensor)  # [width, height, *encoded images]
+    assert len(panels) - 2 == config.eval_pictures
+    assert {path.name for path in (workdir / "plots").iterdir()} == {"loss.png", "map.png"}
 
     saved_config = json.loads((workdir / "config.json").read_text())
     assert saved_config["global_batch_size"] == 8

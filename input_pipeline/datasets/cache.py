@@ -39,7 +39,7 @@ from array_record.python import array_record_data_source
 from array_record.python import array_record_module
 import numpy as np
 
-from input_pipeline import records
+from input_pipeline import progress, records
 from input_pipeline.dataset_errors import DatasetError
 
 MANIFEST = "manifest.json"
@@ -140,25 +140,28 @@ def write_split(directory: str, examples: Iterable[records.SourceExample],
     shard_names, image_ids, heights, widths = [], [], [], []
     offsets, boxes, labels, crowd = [0], [], [], []
     writer, written = None, 0
-    for example in examples:
-      serialized = records.serialize(example)
-      if writer is None or written >= shard_bytes:
-        if writer is not None:
-          writer.close()
-        shard_names.append(f"records-{len(shard_names):05d}.array_record")
-        writer = array_record_module.ArrayRecordWriter(
-            os.path.join(tmp, shard_names[-1]), _WRITER_OPTIONS)
-        written = 0
-      writer.write(serialized)
-      written += len(serialized)
-      image_ids.append(example.image_id)
-      heights.append(example.height)
-      widths.append(example.width)
-      n = len(example.labels)
-      offsets.append(offsets[-1] + n)
-      boxes.append(np.asarray(example.boxes_yxyx, np.float32).reshape(n, 4))
-      labels.append(np.asarray(example.labels, np.int32).reshape(n))
-      crowd.append(np.asarray(example.is_crowd, bool).reshape(n))
+    description = f"converting {os.path.basename(directory)}"
+    with progress.Progress(description, unit="images") as report:
+      for example in examples:
+        serialized = records.serialize(example)
+        if writer is None or written >= shard_bytes:
+          if writer is not None:
+            writer.close()
+          shard_names.append(f"records-{len(shard_names):05d}.array_record")
+          writer = array_record_module.ArrayRecordWriter(
+              os.path.join(tmp, shard_names[-1]), _WRITER_OPTIONS)
+          written = 0
+        writer.write(serialized)
+        written += len(serialized)
+        image_ids.append(example.image_id)
+        heights.append(example.height)
+        widths.append(example.width)
+        n = len(example.labels)
+        offsets.append(offsets[-1] + n)
+        boxes.append(np.asarray(example.boxes_yxyx, np.float32).reshape(n, 4))
+        labels.append(np.asarray(example.labels, np.int32).reshape(n))
+        crowd.append(np.asarray(example.is_crowd, bool).reshape(n))
+        report.update(len(image_ids))
     if writer is not None:
       writer.close()
     np.savez(

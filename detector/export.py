@@ -1,0 +1,76 @@
+"""Exports a trained detector as one self-contained serialized program (jax.export, StableHLO).
+
+  python -m detector.export --config=configs/default.py --workdir=runs/default
+  python -m detector.export --config=... --workdir=DIR --checkpoint=best --batch_size=4 --output=exported
+
+Writes, under `--output` (default `WORKDIR/export/jax`):
+  model.jax_exported  the detection program with its parameters as constants:
+                      images float32 [B, H, W, 3] (eval-transformed) -> boxes
+                      [B, D, 4] yxyx network pixels, scores [B, D], classes
+                      [B, D] int32, valid [B, D] bool; runs on CPU and CUDA GPUs
+  model.json          preprocessing (image size, mean/std, resize rule), class
+                      names, label -> category id, output shapes, step, JAX version
+Load it with `detector.exporting.load_artifact(DIR).predict(images)`, or
+anywhere with `jax.export.deserialize(bytes).call(images)`. The detection
+settings baked in are the config's `postprocess` ones; change them with
+e.g. `--config.postprocess.score_threshold=0.3`.
+
+No TensorFlow SavedModel is written: jax2tf's XlaCallModule in the TF
+installed alongside this JAX reads an older StableHLO than this JAX writes.
+"""
+
+from __future__ import annotations
+
+import jax
+from absl import flags
+from etils import epath
+from ml_collections import config_flags
+
+from detector import cli, exporting
+from detector.errors import ConfigError
+from detector.inference import load_predictor
+from sharding import distributed
+
+_CONFIG = config_flags.DEFINE_config_file("config", None, "Path to the training config file.", lock_config=True)
+_WORKDIR = flags.DEFINE_string("workdir", None, "The training run's directory (its checkpoints are read).")
+_CHECKPOINT = flags.DEFINE_string("checkpoint", "last", "Which parameters: last, best, or a checkpoint step.")
+_BATCH_SIZE = flags.DEFINE_integer("batch_size", 1, "Images per call of the exported program (fixed).")
+_OUTPUT = flags.DEFINE_string("output", None, "Directory for model.jax_exported and model.json "
+                              "(default WORKDIR/export/jax).")
+flags.mark_flags_as_required(["config", "workdir"])
+distributed.define_flags()
+
+
+def main(argv: list[str]) -> None:
+    if len(argv) > 1:
+        raise ConfigError(f"unexpected arguments: {' '.join(argv[1:])}; pass options as --flag=value")
+    if _BATCH_SIZE.value < 1:
+        raise ConfigError(f"--batch_size={_BATCH_SIZE.value} must be at least 1")
+    distributed.initialize(distributed.options_from_flags())
+    cli.set_up_logging()
+    # The predictor's own (sharded, compiled) batch size is the config's; the
+    # exported program has its own, fixed one.
+    predictor = load_predictor(_CONFIG.value, _WORKDIR.value, _CHECKPOINT.value)
+    exported = exporting.export_predictor(predictor, _BATCH_SIZE.value)
+    if jax.process_index() != 0:
+        return
+    output = _OUTPUT.value or epath.Path(_WORKDIR.value) / "export" / "jax"
+    directory = exporting.write_artifact(exported, predictor, output)
+    written = [directory / exporting.EXPORTED_FILE, directory / exporting.METADATA_FILE]
+    sizes = ", ".join(f"{path.name} ({_format_size(path.stat().length)})" for path in written)
+    message = (f"exported step {predictor.step} ({_CHECKPOINT.value}) for batches of {_BATCH_SIZE.value} "
+               f"on {'/'.join(exported.platforms)} to {directory}: {sizes}")
+    print(message, flush=True)
+
+
+def _format_size(num_bytes: int) -> str:
+    size, unit = float(num_bytes), "B"
+    for larger in ("KiB", "MiB", "GiB"):
+        if size < 1024:
+            break
+        size, unit = size / 1024, larger
+    return f"{num_bytes} B" if unit == "B" else f"{size:.1f} {unit}"
+
+
+if __name__ == "__main__":
+    cli.run(main)

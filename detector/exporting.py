@@ -1,0 +1,234 @@
+"""A trained detector as one self-contained file: a serialized `jax.export` (StableHLO) program.
+
+`export_predictor` turns a loaded `Predictor` into a `jax.export.Exported`
+of `images -> detections` with the parameters baked in as constants, for
+both XLA:CPU and CUDA GPUs (one artifact runs on either). `write_artifact`
+saves it next to a JSON file that says everything a user needs without this
+project's config: how to preprocess an image, what the outputs are, which
+class each label is. `load_artifact` reads both back and predicts on
+images of any size, the way `python -m detector.predict` does, with nothing
+but JAX (and the eval transform, for the identical resize).
+
+  DIR/model.jax_exported  `Exported.serialize()` bytes; `jax.export.deserialize`
+                          restores it in any process with a compatible JAX
+  DIR/model.json          preprocessing, classes, outputs, provenance
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import json
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+from etils import epath
+from jax.experimental import multihost_utils
+
+from detector import steps
+from detector.errors import ConfigError
+from detector.inference import Predictor, _network_input
+from input_pipeline import transforms
+
+EXPORTED_FILE = "model.jax_exported"
+METADATA_FILE = "model.json"
+# Lowering for "cuda" needs no GPU: one artifact serves both kinds of machine.
+PLATFORMS = ("cpu", "cuda")
+OUTPUT_NAMES = ("boxes", "scores", "classes", "valid")
+FORMAT_VERSION = 1
+
+
+def _host_params(params: Any) -> Any:
+    """The (possibly sharded, possibly multi-host) parameters as numpy arrays on this host."""
+    if jax.process_count() > 1:
+        # Shards on other hosts are not addressable here; every process must join the gather.
+        return multihost_utils.process_allgather(params, tiled=True)
+    return jax.device_get(params)
+
+
+def detection_function(predictor: Predictor) -> Callable[[jax.Array], dict[str, jax.Array]]:
+    """`images -> detections` with the predictor's parameters closed over as host constants.
+
+    The function maps images float32 `[B, H, W, 3]` (the eval transform's
+    output: resized, normalized, zero-padded bottom/right) to boxes float32
+    `[B, D, 4]` yxyx in network-input pixels, scores float32 `[B, D]`
+    (descending), classes int32 `[B, D]` (contiguous labels) and valid bool
+    `[B, D]`; D is `config.postprocess.max_detections`.
+    """
+    config = predictor.config
+    params = _host_params(predictor.params)
+    predict = functools.partial(
+        steps.predict_step, model=predictor.model, anchors=steps.anchors_for_config(config),
+        postprocess_config=config.postprocess, image_size=tuple(config.input.image_size),
+        box_coder_weights=tuple(config.loss.box_coder_weights))
+
+    def detect(images: jax.Array) -> dict[str, jax.Array]:
+        rows = images.shape[0]
+        # predict_step passes these fields through for mapping boxes back; the
+        # artifact's user maps them instead, so placeholders do (and are pruned).
+        batch = {"image": images, "image_id": jnp.zeros((rows,), jnp.int32), "scale": jnp.ones((rows,), jnp.float32),
+                 "original_size": jnp.zeros((rows, 2), jnp.int32), "example_mask": jnp.ones((rows,), jnp.bool_)}
+        outputs = predict(params, batch)
+        return {name: outputs[name] for name in OUTPUT_NAMES}
+
+    return detect
+
+
+def _check_batch_size(batch_size: int) -> int:
+    if int(batch_size) != batch_size or batch_size < 1:
+        raise ConfigError(f"batch size {batch_size} must be a whole number of images, at least 1")
+    return int(batch_size)
+
+
+def export_predictor(predictor: Predictor, batch_size: int,
+                     platforms: Sequence[str] = PLATFORMS) -> jax.export.Exported:
+    """Exports the predictor's detection for fixed batches of `batch_size` images.
+
+    The exported program takes images float32 `[batch_size, H, W, 3]` (H, W =
+    `config.input.image_size`; see `detection_function` for what they hold)
+    and returns `{"boxes", "scores", "classes", "valid"}` as
+    `detection_function` describes. The parameters are constants inside the
+    program, so the serialized artifact stands alone; the program runs on one
+    device of any of `platforms` (default: CPU and CUDA GPUs; lowering for
+    CUDA needs no GPU).
+    """
+    batch_size = _check_batch_size(batch_size)
+    height, width = predictor.config.input.image_size
+    images = jax.ShapeDtypeStruct((batch_size, int(height), int(width), 3), jnp.float32)
+    detect = detection_function(predictor)
+    # No sharding rules while tracing: the model's logical constraints become
+    # no-ops and the program is a plain single-device one.
+    with nn.logical_axis_rules(()):
+        return jax.export.export(jax.jit(detect), platforms=tuple(platforms))(images)
+
+
+def artifact_metadata(exported: jax.export.Exported, predictor: Predictor) -> dict[str, Any]:
+    """model.json's content: what a user of the artifact needs to know, in plain JSON types."""
+    config = predictor.config
+    (images,) = exported.in_avals
+    batch_size, height, width, _ = images.shape
+    outputs = jax.tree.unflatten(exported.out_tree, exported.out_avals)
+    info = predictor.dataset_info
+    postprocess = config.postprocess
+    return {
+        "format_version": FORMAT_VERSION,
+        "exported_file": EXPORTED_FILE,
+        "jax_version": jax.__version__,
+        "platforms": list(exported.platforms),
+        "step": int(predictor.step),
+        "backbone": str(config.model.backbone.name),
+        "dataset": config.dataset.name,
+        "batch_size": int(batch_size),
+        "input": {
+            "name": "images", "shape": list(images.shape), "dtype": str(images.dtype),
+            "image_size": [int(height), int(width)],
+            "mean_rgb": [float(v) for v in config.input.mean_rgb],
+            "std_rgb": [float(v) for v in config.input.std_rgb],
+            "preprocessing": (
+                "RGB image h x w (0-255); scale = min(H / h, W / w); resize to (round(h * scale), "
+                "round(w * scale)) (bilinear, antialiased, TF2 half-pixel centres); (pixel - mean_rgb) / "
+                "std_rgb; pad bottom/right with 0 to H x W"),
+        },
+        "outputs": {name: {"shape": list(aval.shape), "dtype": str(aval.dtype)} for name, aval in outputs.items()},
+        "output_meaning": {
+            "boxes": "y0, x0, y1, x1 in network-input pixels; divide by scale for original pixels",
+            "scores": "sigmoid class scores, descending per image",
+            "classes": "contiguous labels: index into class_names and label_to_category_id",
+            "valid": "False marks unused slots (zeros): read the other outputs through it",
+        },
+        "class_names": [str(name) for name in info.class_names],
+        "label_to_category_id": [int(c) for c in info.label_to_category_id],
+        "postprocess": {key: float(postprocess[key]) if key.endswith("threshold") else int(postprocess[key])
+                        for key in ("pre_nms_top_k", "score_threshold", "iou_threshold", "max_detections")},
+    }
+
+
+def write_artifact(exported: jax.export.Exported, predictor: Predictor, directory: str | epath.PathLike
+                   ) -> epath.Path:
+    """Writes DIRECTORY/model.jax_exported and DIRECTORY/model.json; returns the directory."""
+    directory = epath.Path(directory)
+    directory.mkdir(parents=True, exist_ok=True)
+    (directory / EXPORTED_FILE).write_bytes(bytes(exported.serialize()))
+    (directory / METADATA_FILE).write_text(json.dumps(artifact_metadata(exported, predictor), indent=2))
+    return directory
+
+
+@dataclasses.dataclass(frozen=True)
+class ExportedDetector:
+    """A deserialized artifact and its metadata: predicts on RGB images of any size.
+
+    Attributes:
+      exported: the deserialized program (see `export_predictor`).
+      metadata: model.json's content (see `artifact_metadata`).
+    """
+
+    exported: jax.export.Exported
+    metadata: dict[str, Any]
+
+    @property
+    def batch_size(self) -> int:
+        return int(self.metadata["batch_size"])
+
+    @property
+    def class_names(self) -> tuple[str, ...]:
+        return tuple(self.metadata["class_names"])
+
+    @property
+    def label_to_category_id(self) -> tuple[int, ...]:
+        return tuple(self.metadata["label_to_category_id"])
+
+    def transform_options(self) -> transforms.TransformOptions:
+        """The eval transform's settings the artifact was exported with."""
+        spec = self.metadata["input"]
+        return transforms.TransformOptions(image_size=tuple(spec["image_size"]), max_boxes=1,
+                                           mean_rgb=tuple(spec["mean_rgb"]), std_rgb=tuple(spec["std_rgb"]))
+
+    def predict(self, images: Sequence[np.ndarray]) -> list[dict[str, np.ndarray]]:
+        """Detections per image, in its original pixels.
+
+        Args:
+          images: uint8 RGB arrays `[h, w, 3]`, any sizes.
+
+        Returns:
+          per image, in order: {"boxes_yxyx": float32 `[N, 4]` y0, x0, y1, x1 in
+          the image's pixels (clipped to it), "scores": float32 `[N]` (descending),
+          "labels": int32 `[N]` (index into `class_names`)}; N <= max_detections.
+        """
+        for index, image in enumerate(images):
+            if image.ndim != 3 or image.shape[-1] != 3 or image.dtype != np.uint8:
+                raise ValueError(f"image {index}: expected uint8 [h, w, 3] RGB, got {image.dtype} {image.shape}")
+        opts = self.transform_options()
+        rows = [_network_input(image, index, opts) for index, image in enumerate(images)]
+        blank = np.zeros_like(rows[0]["image"]) if rows else None
+        results: list[dict[str, np.ndarray]] = []
+        for first in range(0, len(rows), self.batch_size):
+            chunk = rows[first:first + self.batch_size]
+            # The program's batch size is fixed: the last batch is filled with blank images.
+            images_batch = np.stack([row["image"] for row in chunk] + [blank] * (self.batch_size - len(chunk)))
+            outputs = jax.device_get(self.exported.call(images_batch))
+            for i, row in enumerate(chunk):
+                keep = outputs["valid"][i]
+                height, width = (float(v) for v in row["original_size"])
+                boxes = np.asarray(outputs["boxes"][i][keep], np.float32) / np.float32(row["scale"])
+                results.append({
+                    "boxes_yxyx": np.clip(boxes, 0.0, np.array([height, width, height, width], np.float32)),
+                    "scores": np.asarray(outputs["scores"][i][keep], np.float32),
+                    "labels": np.asarray(outputs["classes"][i][keep], np.int32),
+                })
+        return results
+
+
+def load_artifact(directory: str | epath.PathLike) -> ExportedDetector:
+    """Reads what `write_artifact` wrote to `directory`."""
+    directory = epath.Path(directory)
+    for name in (EXPORTED_FILE, METADATA_FILE):
+        if not (directory / name).exists():
+            raise FileNotFoundError(f"{directory / name} does not exist: export a model there first "
+                                    "(python -m detector.export)")
+    metadata = json.loads((directory / METADATA_FILE).read_text())
+    exported = jax.export.deserialize(bytearray((directory / EXPORTED_FILE).read_bytes()))
+    return ExportedDetector(exported=exported, metadata=metadata)

@@ -1,0 +1,142 @@
+"""Exporting a trained detector: the serialized program, in a fresh process, detects what the predictor does.
+
+Uses test_train's reference run (4 steps of the tiny config) and its
+compilation cache. A score threshold of 0 fills every detection slot, so the
+comparison covers max_detections boxes per image, not just the few that four
+steps of training would score highly.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import pathlib
+import subprocess
+import sys
+
+import jax
+import numpy as np
+import pytest
+from PIL import Image
+
+from detector import exporting, inference
+from detector.errors import ConfigError
+from detector.inference import load_predictor
+from input_pipeline import transforms
+from test_train import compilation_cache_dir, data_dir, reference_run  # noqa: F401  (shared module fixtures)
+from tiny_config import as_flags, make_config
+
+REPO_ROOT = pathlib.Path(__file__).resolve().parent.parent
+EXPORT_OVERRIDES = {"postprocess.score_threshold": 0.0, "postprocess.max_detections": 10}
+MAX_DETECTIONS = EXPORT_OVERRIDES["postprocess.max_detections"]
+IMAGE_SIZES = ((120, 90), (48, 160), (64, 64))  # (h, w): taller, wider and the same as the network input
+
+# What a user of the artifact runs: no config, no workdir, only the exported directory.
+LOAD_AND_PREDICT = """
+import sys
+import numpy as np
+from PIL import Image
+from detector import exporting
+directory, output, *paths = sys.argv[1:]
+detector = exporting.load_artifact(directory)
+results = detector.predict([np.asarray(Image.open(path).convert("RGB")) for path in paths])
+np.savez(output, **{f"{key}_{i}": value for i, result in enumerate(results) for key, value in result.items()})
+"""
+
+
+def subprocess_env():
+    return {**os.environ, "PYTHONPATH": str(REPO_ROOT), "JAX_PLATFORMS": "cpu",
+            "XLA_FLAGS": os.environ.get("XLA_FLAGS", "")}
+
+
+def expected_detections(predictor, images):
+    """The in-process predictor's detections per image, mapped to original pixels independently of exporting."""
+    opts = transforms.TransformOptions.from_config(predictor.config)
+    rows = [inference._network_input(image, i, opts) for i, image in enumerate(images)]
+    blank = inference._network_input(np.zeros((8, 8, 3), np.uint8), -1, opts)
+    blank["example_mask"] = np.False_
+    rows += [blank] * (predictor.batch_size - len(rows))
+    local_batch = {key: np.stack([row[key] for row in rows]) for key in blank}
+    outputs = jax.device_get(predictor(predictor.global_batch(local_batch)))
+    expected = []
+    for i, image in enumerate(images):
+        height, width = image.shape[:2]
+        network_height, network_width = predictor.config.input.image_size
+        scale = min(network_height / height, network_width / width)
+        keep = outputs["valid"][i]
+        expected.append({
+            "boxes_yxyx": np.clip(outputs["boxes"][i][keep] / scale, 0.0, [height, width, height, width]),
+            "scores": outputs["scores"][i][keep],
+            "labels": outputs["classes"][i][keep],
+        })
+    return expected
+
+
+def test_exported_program_in_a_fresh_process_detects_what_the_predictor_does(reference_run, data_dir, tmp_path):
+    config = make_config(data_dir, **EXPORT_OVERRIDES)
+    predictor = load_predictor(config, str(reference_run.workdir), "last")
+    exported = exporting.export_predictor(predictor, batch_size=2)
+    assert set(exported.platforms) == {"cpu", "cuda"}
+    directory = exporting.write_artifact(exported, predictor, tmp_path / "artifact")
+
+    metadata = json.loads((directory / exporting.METADATA_FILE).read_text())
+    assert metadata["batch_size"] == 2 and metadata["step"] == 4
+    assert metadata["input"]["shape"] == [2, 64, 64, 3]
+    assert metadata["input"]["mean_rgb"] == list(config.input.mean_rgb)
+    assert metadata["outputs"] == {"boxes": {"shape": [2, MAX_DETECTIONS, 4], "dtype": "float32"},
+                                   "scores": {"shape": [2, MAX_DETECTIONS], "dtype": "float32"},
+                                   "classes": {"shape": [2, MAX_DETECTIONS], "dtype": "int32"},
+                                   "valid": {"shape": [2, MAX_DETECTIONS], "dtype": "bool"}}
+    assert metadata["class_names"] == list(predictor.dataset_info.class_names)
+    assert metadata["label_to_category_id"] == list(predictor.dataset_info.label_to_category_id)
+
+    # Three images on a program of two: the second call is padded with a blank image.
+    rng = np.random.default_rng(0)
+    images = [rng.integers(0, 256, (height, width, 3), np.uint8) for height, width in IMAGE_SIZES]
+    paths = []
+    for i, image in enumerate(images):
+        paths.append(tmp_path / f"image_{i}.png")
+        Image.fromarray(image).save(paths[-1])
+    output = tmp_path / "exported_detections.npz"
+    result = subprocess.run([sys.executable, "-c", LOAD_AND_PREDICT, str(directory), str(output), *map(str, paths)],
+                            cwd=REPO_ROOT, env=subprocess_env(), capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr[-3000:]
+    got = np.load(output)
+
+    for i, want in enumerate(expected_detections(predictor, images)):
+        assert len(want["scores"]) == MAX_DETECTIONS  # threshold 0: every slot holds a detection
+        np.testing.assert_array_equal(got[f"labels_{i}"], want["labels"])
+        np.testing.assert_allclose(got[f"scores_{i}"], want["scores"], rtol=1e-5, atol=1e-6)
+        np.testing.assert_allclose(got[f"boxes_yxyx_{i}"], want["boxes_yxyx"], atol=1e-3)
+        height, width = IMAGE_SIZES[i]
+        assert np.all(got[f"boxes_yxyx_{i}"] <= [height, width, height, width])
+
+    with pytest.raises(ConfigError, match="at least 1"):
+        exporting.export_predictor(predictor, batch_size=0)
+    with pytest.raises(FileNotFoundError, match="does not exist"):
+        exporting.load_artifact(tmp_path / "nowhere")
+
+
+def run_export_command(reference_run, data_dir, *extra):
+    return subprocess.run(
+        [sys.executable, "-m", "detector.export", "--config=configs/default.py",
+         f"--workdir={reference_run.workdir}", *extra, *as_flags(data_dir)],
+        cwd=REPO_ROOT, env=subprocess_env(), capture_output=True, text=True, timeout=300)
+
+
+def test_export_command_writes_the_artifact(reference_run, data_dir, tmp_path):
+    result = run_export_command(reference_run, data_dir, "--checkpoint=best", f"--output={tmp_path}")
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert f"exported step 4 (best) for batches of 1 on cpu/cuda to {tmp_path}" in result.stdout
+    assert (tmp_path / exporting.EXPORTED_FILE).stat().st_size > 0
+    metadata = json.loads((tmp_path / exporting.METADATA_FILE).read_text())
+    assert metadata["batch_size"] == 1 and metadata["step"] == 4
+
+
+def test_export_command_reports_a_missing_checkpoint_in_one_line(reference_run, data_dir, tmp_path):
+    result = run_export_command(reference_run, data_dir, "--checkpoint=99", f"--output={tmp_path}")
+    assert result.returncode != 0
+    last_line = result.stderr.strip().splitlines()[-1]
+    assert last_line.startswith("error: ") and "--checkpoint=99" in last_line, result.stderr[-3000:]
+    assert "Traceback" not in result.stderr
+    assert not (tmp_path / exporting.EXPORTED_FILE).exists()
