@@ -14,6 +14,7 @@ from collections.abc import Callable, Sequence
 
 import jax
 from absl import app, flags, logging
+from ml_collections import config_flags
 
 from detector.errors import ConfigError, TrainingError, WeightsFileError
 from input_pipeline import DatasetError
@@ -58,6 +59,19 @@ def _parse_flags(argv: Sequence[str]) -> list[str]:
     except (OSError, SyntaxError, ValueError, TypeError) as e:
         # A config file that is missing or does not load, or a wrongly typed override.
         _fail(f"cannot load the config: {e}", EXIT_USAGE)
+
+
+def define_trained_run_flags():
+    """--config, --workdir and --checkpoint: which trained run, and which of its parameters, to use.
+
+    For the commands that work on a trained workdir (evaluate, predict,
+    export); returns their flag holders. Also marks --config and --workdir required.
+    """
+    config = config_flags.DEFINE_config_file("config", None, "Path to the training config file.", lock_config=True)
+    workdir = flags.DEFINE_string("workdir", None, "The training run's directory (its checkpoints are read).")
+    checkpoint = flags.DEFINE_string("checkpoint", "last", "Which parameters: last, best, or a checkpoint step.")
+    flags.mark_flags_as_required(["config", "workdir"])
+    return config, workdir, checkpoint
 
 
 def use_fake_cpu_devices(count: int) -> None:

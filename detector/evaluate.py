@@ -14,19 +14,15 @@ table and writes, under `--output` (default `WORKDIR/evaluation/STEP`):
 from __future__ import annotations
 
 from absl import flags
-from ml_collections import config_flags
 
 from detector import cli
 from detector.errors import ConfigError
 from detector.inference import evaluate_workdir
 from sharding import distributed
 
-_CONFIG = config_flags.DEFINE_config_file("config", None, "Path to the training config file.", lock_config=True)
-_WORKDIR = flags.DEFINE_string("workdir", None, "The training run's directory (its checkpoints are read).")
-_CHECKPOINT = flags.DEFINE_string("checkpoint", "last", "Which parameters: last, best, or a checkpoint step.")
+_CONFIG, _WORKDIR, _CHECKPOINT = cli.define_trained_run_flags()
 _OUTPUT = flags.DEFINE_string("output", None, "Directory for metrics.json and detections.json "
                               "(default WORKDIR/evaluation/STEP).")
-flags.mark_flags_as_required(["config", "workdir"])
 distributed.define_flags()
 
 

@@ -24,20 +24,16 @@ from __future__ import annotations
 import jax
 from absl import flags
 from etils import epath
-from ml_collections import config_flags
 
 from detector import cli, exporting
 from detector.errors import ConfigError
 from detector.inference import load_predictor
 from sharding import distributed
 
-_CONFIG = config_flags.DEFINE_config_file("config", None, "Path to the training config file.", lock_config=True)
-_WORKDIR = flags.DEFINE_string("workdir", None, "The training run's directory (its checkpoints are read).")
-_CHECKPOINT = flags.DEFINE_string("checkpoint", "last", "Which parameters: last, best, or a checkpoint step.")
+_CONFIG, _WORKDIR, _CHECKPOINT = cli.define_trained_run_flags()
 _BATCH_SIZE = flags.DEFINE_integer("batch_size", 1, "Images per call of the exported program (fixed).")
 _OUTPUT = flags.DEFINE_string("output", None, "Directory for model.jax_exported and model.json "
                               "(default WORKDIR/export/jax).")
-flags.mark_flags_as_required(["config", "workdir"])
 distributed.define_flags()
 
 

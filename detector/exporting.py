@@ -6,8 +6,9 @@ both XLA:CPU and CUDA GPUs (one artifact runs on either). `write_artifact`
 saves it next to a JSON file that says everything a user needs without this
 project's config: how to preprocess an image, what the outputs are, which
 class each label is. `load_artifact` reads both back and predicts on
-images of any size, the way `python -m detector.predict` does, with nothing
-but JAX (and the eval transform, for the identical resize).
+images of any size the way `python -m detector.predict` does (through the
+same eval transform, so the resize is identical); the program itself needs
+only JAX: `jax.export.deserialize(bytes).call(images)`.
 
   DIR/model.jax_exported  `Exported.serialize()` bytes; `jax.export.deserialize`
                           restores it in any process with a compatible JAX

@@ -17,22 +17,19 @@ A file that cannot be read is skipped with a warning and counted.
 from __future__ import annotations
 
 from absl import flags
-from ml_collections import config_flags
 
 from detector import cli
 from detector.errors import ConfigError
 from detector.inference import load_predictor, predict_images
 from sharding import distributed
 
-_CONFIG = config_flags.DEFINE_config_file("config", None, "Path to the training config file.", lock_config=False)
-_WORKDIR = flags.DEFINE_string("workdir", None, "The training run's directory (its checkpoints are read).")
-_CHECKPOINT = flags.DEFINE_string("checkpoint", "last", "Which parameters: last, best, or a checkpoint step.")
+_CONFIG, _WORKDIR, _CHECKPOINT = cli.define_trained_run_flags()
 _OUTPUT = flags.DEFINE_string("output", None, "Directory for detections.json, images.json and the pictures.")
 _SCORE_THRESHOLD = flags.DEFINE_float("score_threshold", 0.3, "Detections scoring less are dropped.")
 _MAX_DETECTIONS = flags.DEFINE_integer("max_detections", None, "Detections per image at most "
                                        "(default: the config's postprocess.max_detections).")
 _BATCH_SIZE = flags.DEFINE_integer("batch_size", None, "Images per global batch (default: eval_batch_size).")
-flags.mark_flags_as_required(["config", "workdir", "output"])
+flags.mark_flag_as_required("output")
 distributed.define_flags()
 
 
