@@ -19,6 +19,7 @@ from ml_collections import config_flags
 from detector.errors import ConfigError, TrainingError, WeightsFileError
 from input_pipeline import DatasetError
 from sharding import MeshError
+from sharding import distributed
 from sharding.distributed import DistributedError
 
 flags.DEFINE_bool("verbose", False, "Show full tracebacks for errors.")
@@ -112,6 +113,15 @@ class _QuietLibraries(pylogging.Filter):
 
     def filter(self, record: pylogging.LogRecord) -> bool:
         return record.levelno >= pylogging.WARNING or "/orbax/" not in record.pathname
+
+
+def start(argv: Sequence[str], *, takes_arguments: bool = False) -> None:
+    """What every command does first: reject stray arguments, join the other processes, set up logging."""
+    if len(argv) > 1 and not takes_arguments:
+        raise ConfigError(f"unexpected arguments: {' '.join(argv[1:])}; pass options as --flag=value")
+    # Before anything touches the devices: join the other processes (flags or a detected cluster).
+    distributed.initialize(distributed.options_from_flags())
+    set_up_logging()
 
 
 def set_up_logging() -> None:

@@ -16,7 +16,6 @@ from __future__ import annotations
 from absl import flags
 
 from detector import cli
-from detector.errors import ConfigError
 from detector.inference import evaluate_workdir
 from sharding import distributed
 
@@ -27,10 +26,7 @@ distributed.define_flags()
 
 
 def main(argv: list[str]) -> None:
-    if len(argv) > 1:
-        raise ConfigError(f"unexpected arguments: {' '.join(argv[1:])}; pass options as --flag=value")
-    distributed.initialize(distributed.options_from_flags())
-    cli.set_up_logging()
+    cli.start(argv)
     evaluate_workdir(_CONFIG.value, _WORKDIR.value, _CHECKPOINT.value, _OUTPUT.value)
 
 

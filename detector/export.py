@@ -38,12 +38,9 @@ distributed.define_flags()
 
 
 def main(argv: list[str]) -> None:
-    if len(argv) > 1:
-        raise ConfigError(f"unexpected arguments: {' '.join(argv[1:])}; pass options as --flag=value")
+    cli.start(argv)
     if _BATCH_SIZE.value < 1:
         raise ConfigError(f"--batch_size={_BATCH_SIZE.value} must be at least 1")
-    distributed.initialize(distributed.options_from_flags())
-    cli.set_up_logging()
     # The predictor's own (sharded, compiled) batch size is the config's; the
     # exported program has its own, fixed one.
     predictor = load_predictor(_CONFIG.value, _WORKDIR.value, _CHECKPOINT.value)

@@ -38,8 +38,7 @@ def main(argv: list[str]) -> None:
     if not inputs:
         raise ConfigError("no images given: pass image files or folders after the flags, e.g. "
                           "python -m detector.predict --config=... --workdir=... --output=OUT photos/")
-    distributed.initialize(distributed.options_from_flags())
-    cli.set_up_logging()
+    cli.start(argv, takes_arguments=True)
     config = _CONFIG.value
     if not 0.0 <= _SCORE_THRESHOLD.value <= 1.0:
         raise ConfigError(f"--score_threshold={_SCORE_THRESHOLD.value} must be in [0, 1]")

@@ -28,7 +28,7 @@ from input_pipeline import transforms
 import sharding
 from detector import checkpointing, cli, evaluation, optim, plots, steps, visualize
 from detector import preemption as preemption_lib
-from detector.errors import ConfigError, TrainingError
+from detector.errors import TrainingError
 from detector.metric_writers import MetricWriter
 from detector.pretrained import load_backbone_params
 from detector.retinanet import create_model
@@ -341,11 +341,7 @@ class _DataReport:
 
 
 def main(argv: list[str]) -> None:
-    if len(argv) > 1:
-        raise ConfigError(f"unexpected arguments: {' '.join(argv[1:])}; pass options as --flag=value")
-    # Join the other processes (flags or a detected cluster) before anything touches the devices.
-    distributed.initialize(distributed.options_from_flags())
-    cli.set_up_logging()
+    cli.start(argv)
     logging.info("%s", distributed.describe())
     train_and_evaluate(_CONFIG.value, _WORKDIR.value)
 
