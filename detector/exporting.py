@@ -32,7 +32,7 @@ from jax.experimental import multihost_utils
 
 from detector import steps
 from detector.errors import ConfigError
-from detector.inference import Predictor, _network_input
+from detector.inference import Predictor, network_input
 from input_pipeline import transforms
 
 EXPORTED_FILE = "model.jax_exported"
@@ -203,7 +203,7 @@ class ExportedDetector:
             if image.ndim != 3 or image.shape[-1] != 3 or image.dtype != np.uint8:
                 raise ValueError(f"image {index}: expected uint8 [h, w, 3] RGB, got {image.dtype} {image.shape}")
         opts = self.transform_options()
-        rows = [_network_input(image, index, opts) for index, image in enumerate(images)]
+        rows = [network_input(image, index, opts) for index, image in enumerate(images)]
         blank = np.zeros_like(rows[0]["image"]) if rows else None
         results: list[dict[str, np.ndarray]] = []
         for first in range(0, len(rows), self.batch_size):

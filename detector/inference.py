@@ -198,7 +198,7 @@ def read_image(path: epath.Path) -> np.ndarray | None:
         return None
 
 
-def _network_input(image: np.ndarray, image_id: int, opts: transforms.TransformOptions) -> dict[str, np.ndarray]:
+def network_input(image: np.ndarray, image_id: int, opts: transforms.TransformOptions) -> dict[str, np.ndarray]:
     """The eval transform of one image (resize to fit, pad, normalize), as numpy."""
     example = {"image": image, "boxes": np.zeros((0, 4), np.float32), "labels": np.zeros((0,), np.int32),
                "image_id": np.int32(image_id)}
@@ -220,7 +220,7 @@ def predict_images(predictor: Predictor, inputs: Sequence[str], output: str) -> 
     global_size = predictor.batch_size
     local_rows = range(predictor.first_row(),
                        predictor.first_row() + global_size // jax.device_count() * jax.local_device_count())
-    blank = _network_input(np.zeros((8, 8, 3), np.uint8), -1, opts)
+    blank = network_input(np.zeros((8, 8, 3), np.uint8), -1, opts)
     blank["example_mask"] = np.False_
     pictures = dict(zip(range(len(paths)), _picture_names(paths)))
     label_of_category = {int(c): label for label, c in enumerate(info.label_to_category_id)}
@@ -232,7 +232,7 @@ def predict_images(predictor: Predictor, inputs: Sequence[str], output: str) -> 
                              enabled=is_primary):
         first = batch_index * global_size
         images = {i: read_image(paths[i]) for i in (first + row for row in local_rows) if i < len(paths)}
-        rows = [_network_input(images[i], i, opts) if images.get(i) is not None else blank
+        rows = [network_input(images[i], i, opts) if images.get(i) is not None else blank
                 for i in (first + row for row in local_rows)]
         local_batch = {k: np.stack([row[k] for row in rows]) for k in blank}
         outputs = predictor(predictor.global_batch(local_batch))

@@ -52,8 +52,8 @@ def subprocess_env():
 def expected_detections(predictor, images):
     """The in-process predictor's detections per image, mapped to original pixels independently of exporting."""
     opts = transforms.TransformOptions.from_config(predictor.config)
-    rows = [inference._network_input(image, i, opts) for i, image in enumerate(images)]
-    blank = inference._network_input(np.zeros((8, 8, 3), np.uint8), -1, opts)
+    rows = [inference.network_input(image, i, opts) for i, image in enumerate(images)]
+    blank = inference.network_input(np.zeros((8, 8, 3), np.uint8), -1, opts)
     blank["example_mask"] = np.False_
     rows += [blank] * (predictor.batch_size - len(rows))
     local_batch = {key: np.stack([row[key] for row in rows]) for key in blank}
