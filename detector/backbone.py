@@ -1,8 +1,9 @@
 """ResNet backbone (v1.5: stride on the 3x3 conv) returning C2..C5 feature maps.
 
-Convolutions and the stem's max pool pad symmetrically, as torchvision's
-ResNet does, so ImageNet weights converted by `detector.pretrained` compute
-the same features here; output shapes equal 'SAME' padding's for any input.
+With frozen BatchNorm (the form torchvision's ImageNet weights take here)
+convolutions and the stem's max pool pad symmetrically, as torchvision's
+ResNet does, so weights converted by `detector.pretrained` compute the same
+features; otherwise they pad 'SAME'. Output shapes are the same either way.
 """
 
 from __future__ import annotations
@@ -30,11 +31,22 @@ def check_norm(norm: str) -> None:
         raise ConfigError(f"model.backbone.norm={norm!r}; use one of {', '.join(NORMS)}")
 
 
-def resnet_conv(features: int, kernel_size: int, strides: int = 1, *, dtype: Any,
+def resnet_padding(norm: str, kernel_size: int):
+    """torchvision's symmetric `kernel_size // 2` padding for its weights (frozen_bn), else 'SAME'.
+
+    Pretrained torchvision weights must see the windows they were trained on.
+    From scratch, 'SAME' stays: XLA's spatial partitioning (height split over
+    `model`) reproduces single-device gradients to rounding with it, but only
+    to ~1e-3 of an update with explicit padding on stride-2 convolutions.
+    """
+    return symmetric_padding(kernel_size) if norm == "frozen_bn" else "SAME"
+
+
+def resnet_conv(features: int, kernel_size: int, strides: int = 1, *, dtype: Any, norm: str,
                 name: str | None = None) -> nn.Conv:
-    """A bias-free convolution padded by `kernel_size // 2` on every side, like torchvision's."""
+    """A bias-free convolution, padded as `resnet_padding` says."""
     return conv(features, kernel_size, strides, use_bias=False, dtype=dtype,
-                padding=symmetric_padding(kernel_size), name=name)
+                padding=resnet_padding(norm, kernel_size), name=name)
 
 
 def norm_layer(norm: str, channels: int, *, dtype: Any, zero_init: bool = False,
@@ -64,14 +76,14 @@ class BasicBlock(nn.Module):
     @nn.compact
     def __call__(self, x: jax.Array) -> jax.Array:
         residual = x
-        y = resnet_conv(self.features, 3, self.strides, dtype=self.dtype)(x)
+        y = resnet_conv(self.features, 3, self.strides, dtype=self.dtype, norm=self.norm)(x)
         y = nn.relu(norm_layer(self.norm, self.features, dtype=self.dtype)(y))
-        y = resnet_conv(self.features, 3, dtype=self.dtype)(y)
+        y = resnet_conv(self.features, 3, dtype=self.dtype, norm=self.norm)(y)
         # Zero-init of the last norm makes every block start as identity, which
         # trains deep stacks from scratch stably (Goyal et al. 2017).
         y = norm_layer(self.norm, self.features, dtype=self.dtype, zero_init=True)(y)
         if residual.shape != y.shape:
-            residual = resnet_conv(self.features, 1, self.strides, dtype=self.dtype)(residual)
+            residual = resnet_conv(self.features, 1, self.strides, dtype=self.dtype, norm=self.norm)(residual)
             residual = norm_layer(self.norm, self.features, dtype=self.dtype)(residual)
         return constrain_activation(nn.relu(residual + y))
 
@@ -88,14 +100,15 @@ class BottleneckBlock(nn.Module):
     @nn.compact
     def __call__(self, x: jax.Array) -> jax.Array:
         residual = x
-        y = resnet_conv(self.features, 1, dtype=self.dtype)(x)
+        y = resnet_conv(self.features, 1, dtype=self.dtype, norm=self.norm)(x)
         y = nn.relu(norm_layer(self.norm, self.features, dtype=self.dtype)(y))
-        y = resnet_conv(self.features, 3, self.strides, dtype=self.dtype)(y)
+        y = resnet_conv(self.features, 3, self.strides, dtype=self.dtype, norm=self.norm)(y)
         y = nn.relu(norm_layer(self.norm, self.features, dtype=self.dtype)(y))
-        y = resnet_conv(self.features * 4, 1, dtype=self.dtype)(y)
+        y = resnet_conv(self.features * 4, 1, dtype=self.dtype, norm=self.norm)(y)
         y = norm_layer(self.norm, self.features * 4, dtype=self.dtype, zero_init=True)(y)
         if residual.shape != y.shape:
-            residual = resnet_conv(self.features * 4, 1, self.strides, dtype=self.dtype)(residual)
+            residual = resnet_conv(self.features * 4, 1, self.strides, dtype=self.dtype,
+                                   norm=self.norm)(residual)
             residual = norm_layer(self.norm, self.features * 4, dtype=self.dtype)(residual)
         return constrain_activation(nn.relu(residual + y))
 
@@ -132,10 +145,10 @@ class ResNet(nn.Module):
         check_norm(self.norm)
         block_cls = rematerialized(BLOCKS[self.block], self.remat)
         x = images.astype(self.dtype)
-        x = resnet_conv(self.width, 7, 2, dtype=self.dtype, name="stem_conv")(x)
+        x = resnet_conv(self.width, 7, 2, dtype=self.dtype, norm=self.norm, name="stem_conv")(x)
         x = nn.relu(norm_layer(self.norm, self.width, dtype=self.dtype, name=STEM_NORM_NAME)(x))
-        # Padding with -inf (what max_pool pads with) on both sides, as torchvision does.
-        x = nn.max_pool(x, (3, 3), strides=(2, 2), padding=((1, 1), (1, 1)))
+        # max_pool pads with -inf: on both sides, as torchvision does, for its weights.
+        x = nn.max_pool(x, (3, 3), strides=(2, 2), padding=resnet_padding(self.norm, 3))
         x = constrain_activation(x)
         features = {}
         for stage, num_blocks in enumerate(self.stage_sizes):
