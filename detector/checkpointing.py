@@ -44,11 +44,13 @@ def export_dir(workdir: str) -> epath.Path:
     return _absolute(workdir) / "export"
 
 
-def create_manager(workdir: str, *, max_to_keep: int) -> ocp.CheckpointManager:
+def create_manager(workdir: str, *, max_to_keep: int, read_only: bool = False) -> ocp.CheckpointManager:
+    """The manager of `checkpoint_dir(workdir)`; `read_only` for readers (evaluation, prediction)."""
     options = ocp.CheckpointManagerOptions(
         max_to_keep=max(1, int(max_to_keep)),
         enable_async_checkpointing=True,
-        create=True,
+        create=not read_only,
+        read_only=read_only,
     )
     return ocp.CheckpointManager(checkpoint_dir(workdir), options=options,
                                  item_names=(STATE_ITEM, METADATA_ITEM))
@@ -104,7 +106,7 @@ def restore_params(workdir: str, which: str, abstract_params: Any) -> tuple[Any,
         step = manager.best_step()
         item, target = PARAMS_ITEM, abstract_params
     else:
-        manager = create_manager(workdir, max_to_keep=1 << 30)  # reading: never delete anything
+        manager = create_manager(workdir, max_to_keep=1, read_only=True)
         steps = manager.all_steps()
         if which == "last":
             step = manager.latest_step()

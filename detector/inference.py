@@ -92,9 +92,7 @@ def load_predictor(config: ml_collections.ConfigDict, workdir: str, checkpoint: 
                                              param_shardings=shardings, mesh=mesh, batch_size=batch_size)
     logging.info("loaded the parameters of step %d (%s) from %s; compiled predict for batches of %d in %.1fs",
                  step, checkpoint, workdir, batch_size, time.perf_counter() - start)
-    derived = ml_collections.ConfigDict(config.to_dict())
-    derived.eval_batch_size = derived.global_batch_size = batch_size  # what the input pipeline batches by
-    return Predictor(config=derived, model=model, mesh=mesh,
+    return Predictor(config=input_pipeline.with_batch_size(config, batch_size), model=model, mesh=mesh,
                      batch_sharding=sharding.batch_sharding(mesh, sharding.batch_axes(mesh)), params=params,
                      step=step, predict=predict, batch_size=batch_size, dataset_info=dataset_info)
 

@@ -42,12 +42,6 @@ flags.mark_flags_as_required(["config", "workdir"])
 distributed.define_flags()
 
 
-def _with_batch_size(config: ml_collections.ConfigDict, global_batch_size: int) -> ml_collections.ConfigDict:
-    derived = ml_collections.ConfigDict(config.to_dict())
-    derived.global_batch_size = global_batch_size
-    return derived
-
-
 def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict[str, float] | None:
     """Trains to `config.total_steps` (resuming from `workdir` if possible) and evaluates.
 
@@ -133,7 +127,7 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict[
     # Each process reads only the rows of every global batch its devices hold.
     first_row = input_pipeline.process_rows(batch_sharding, config.global_batch_size)
     train_iter = input_pipeline.create_train_iterator(config, start_position=start_position, first_row=first_row)
-    eval_config = _with_batch_size(config, config.eval_batch_size)
+    eval_config = input_pipeline.with_batch_size(config, config.eval_batch_size)
     ground_truth = input_pipeline.coco_ground_truth(config) if is_primary else None
     writer = MetricWriter(workdir, enabled=is_primary)
     writer.discard_after(start_step)

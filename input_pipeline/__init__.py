@@ -8,6 +8,7 @@ Public API:
   coco_ground_truth(config) -> COCO-format dict of the eval split
   to_global_batch(local_batch, mesh, batch_axes) -> dict of jax.Array
   process_rows(sharding, global_batch_size) -> first row this process holds
+  with_batch_size(config, batch_size) -> config copy batching by batch_size
   get_dataset_info(config) -> DatasetInfo
   prepare_split(config, 'train' | 'eval') -> PreparedSplit (with counts)
   format_counts({name: PreparedSplit}) -> markdown table of the counts
@@ -28,6 +29,7 @@ from input_pipeline.pipeline import EvalIterator
 from input_pipeline.pipeline import InputCounts
 from input_pipeline.pipeline import local_batch_size
 from input_pipeline.pipeline import TrainIterator
+from input_pipeline.pipeline import with_batch_size
 
 __all__ = [
     "DatasetError",
@@ -43,5 +45,6 @@ __all__ = [
     "local_batch_size",
     "prepare_split",
     "process_rows",
+    "with_batch_size",
     "to_global_batch",
 ]

@@ -38,6 +38,7 @@ import os
 from typing import Iterator, NamedTuple
 
 import jax
+import ml_collections
 import numpy as np
 import tensorflow as tf
 
@@ -359,6 +360,17 @@ class EvalIterator(NamedTuple):
   batches: Iterator[Batch]
   num_batches: int
   input_counts: InputCounts
+
+
+def with_batch_size(config, batch_size: int):
+  """A copy of `config` whose pipelines batch by `batch_size` images.
+
+  The iterators read `global_batch_size`; evaluation at `eval_batch_size` or
+  prediction at any size go through a copy with both set to `batch_size`.
+  """
+  derived = ml_collections.ConfigDict(config.to_dict())
+  derived.global_batch_size = derived.eval_batch_size = int(batch_size)
+  return derived
 
 
 def create_eval_iterator(config, *, first_row: int | None = None) -> EvalIterator:
