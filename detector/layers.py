@@ -15,6 +15,7 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
+from detector import convolution
 from detector.errors import ConfigError
 
 KERNEL_AXES = ("kernel_h", "kernel_w", "conv_in", "conv_out")
@@ -34,8 +35,11 @@ def conv(features: int, kernel_size: int = 3, strides: int = 1, *, use_bias: boo
     """`nn.Conv` (f32 params) with logically partitioned kernel and bias.
 
     `padding` is what `nn.Conv` takes: 'SAME' (the default) or explicit
-    `((top, bottom), (left, right))` pixels; see `symmetric_padding`.
+    `((top, bottom), (left, right))` pixels; see `symmetric_padding`. On a
+    CPU backend the kernel gradient runs as matmuls (`detector.convolution`:
+    XLA:CPU's own is several times slower); elsewhere XLA's convolution is used.
     """
+    on_cpu = jax.default_backend() == "cpu"
     return nn.Conv(
         features,
         (kernel_size, kernel_size),
@@ -46,6 +50,7 @@ def conv(features: int, kernel_size: int = 3, strides: int = 1, *, use_bias: boo
         param_dtype=jnp.float32,
         kernel_init=nn.with_logical_partitioning(kernel_init, KERNEL_AXES),
         bias_init=nn.with_logical_partitioning(bias_init, CHANNEL_AXES),
+        conv_general_dilated=convolution.conv_general_dilated if on_cpu else None,
         name=name,
     )
 

@@ -1,0 +1,120 @@
+"""A convolution whose kernel gradient is computed as matrix products, for XLA:CPU.
+
+XLA:CPU runs a convolution's forward pass and its input gradient through
+fast kernels (XNNPACK, Eigen's spatial convolution), but lowers the kernel
+gradient - a convolution that contracts over batch and space - to a slow
+generic loop: on a 2-core host a 1x1 conv's kernel gradient took 25x its
+forward pass, and the kernel gradients were ~80% of a RetinaNet train step.
+The kernel gradient is a sum over the kernel's taps of `x_tap^T @ dy`,
+where `x_tap` is the padded input shifted by the tap and strided like the
+output; written as one `dot_general` per tap it runs on the matmul kernels
+(a 1x1 conv is a single matmul; a patchify conv, kernel == stride, is one
+matmul on reshaped patches). Forward pass and input gradient are XLA's own.
+
+`conv_general_dilated` has `lax.conv_general_dilated`'s signature, so
+`nn.Conv(conv_general_dilated=...)` takes it. Narrow convolutions (fewer
+than MIN_MATMUL_CHANNELS input or output channels: a stem reading RGB,
+a 16-wide toy model) keep XLA's kernel gradient, which is faster there
+(7x7 RGB stem: 21 ms vs 92 ms); so do dilated, grouped or non-NHWC ones.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Sequence
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+# Flax's NHWC / HWIO layout as lax dimension numbers.
+_NHWC_HWIO = lax.ConvDimensionNumbers(lhs_spec=(0, 3, 1, 2), rhs_spec=(3, 2, 0, 1), out_spec=(0, 3, 1, 2))
+
+Padding = tuple[tuple[int, int], tuple[int, int]]
+
+# Measured on XLA:CPU: at 32+ channels a side the matmuls win (3x3, 64->64:
+# 1.4x; 256->256: 1.7-3x; 1x1: 10x), at 16 they lose (3x3, 16->16: 0.6x).
+MIN_MATMUL_CHANNELS = 32
+
+
+def _forward(x, kernel, strides, padding, precision):
+    return lax.conv_general_dilated(x, kernel, strides, padding, dimension_numbers=_NHWC_HWIO,
+                                    precision=precision)
+
+
+def kernel_gradient(x: jax.Array, dy: jax.Array, kernel_size: tuple[int, int], strides: tuple[int, int],
+                    padding: Padding) -> jax.Array:
+    """d(loss)/d(kernel) of an NHWC/HWIO convolution as matmuls.
+
+    Args:
+      x: the convolution's input `[N, H, W, C_in]`.
+      dy: the loss gradient at its output `[N, H_out, W_out, C_out]`.
+      kernel_size, strides: `(kh, kw)`, `(sh, sw)`.
+      padding: `((top, bottom), (left, right))` pixels.
+    Returns:
+      `[kh, kw, C_in, C_out]` in float32 accumulation, cast to `x.dtype`.
+    """
+    (kh, kw), (sh, sw) = kernel_size, strides
+    n, out_h, out_w, _ = dy.shape
+    channels = x.shape[3]
+    if ((kh, kw) == (sh, sw) and padding == ((0, 0), (0, 0))
+            and x.shape[1] == out_h * kh and x.shape[2] == out_w * kw):
+        # Non-overlapping windows (a ViT's patch embedding): one matmul over patches.
+        patches = x.reshape(n, out_h, kh, out_w, kw, channels)
+        return jnp.einsum("nhiwjc,nhwd->ijcd", patches, dy,
+                          preferred_element_type=jnp.float32).astype(x.dtype)
+    x = lax.pad(x, jnp.zeros((), x.dtype), ((0, 0, 0), (*padding[0], 0), (*padding[1], 0), (0, 0, 0)))
+    # dy is transposed once to `[C_out, N, H_out, W_out]`, so every tap is a
+    # plain `[C_out, K] @ [K, C_in]` product on a row-major slice of x; with
+    # both operands contracted over their leading dims XLA would instead
+    # transpose every tap's slice of x (a copy per tap, ~3x slower overall).
+    dy_t = jnp.transpose(dy, (3, 0, 1, 2))
+    contract_batch_and_space = (((1, 2, 3), (0, 1, 2)), ((), ()))
+    taps = []
+    for i in range(kh):
+        for j in range(kw):
+            x_tap = lax.slice(x, (0, i, j, 0), (n, i + sh * (out_h - 1) + 1, j + sw * (out_w - 1) + 1, channels),
+                              (1, sh, sw, 1))
+            taps.append(lax.dot_general(dy_t, x_tap, contract_batch_and_space, preferred_element_type=jnp.float32))
+    # taps: kh * kw of [C_out, C_in].
+    return jnp.transpose(jnp.stack(taps).reshape(kh, kw, dy.shape[3], channels), (0, 1, 3, 2)).astype(x.dtype)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3, 4))
+def _conv(x, kernel, strides, padding, precision):
+    return _forward(x, kernel, strides, padding, precision)
+
+
+def _conv_fwd(x, kernel, strides, padding, precision):
+    return _forward(x, kernel, strides, padding, precision), (x, kernel)
+
+
+def _conv_bwd(strides, padding, precision, residuals, dy):
+    x, kernel = residuals
+    _, input_vjp = jax.vjp(lambda x: _forward(x, kernel, strides, padding, precision), x)
+    (dx,) = input_vjp(dy)
+    dkernel = kernel_gradient(x, dy.astype(x.dtype), kernel.shape[:2], strides, padding)
+    return dx, dkernel.astype(kernel.dtype)
+
+
+_conv.defvjp(_conv_fwd, _conv_bwd)
+
+
+def conv_general_dilated(lhs: jax.Array, rhs: jax.Array, window_strides: Sequence[int], padding,
+                         lhs_dilation=None, rhs_dilation=None, dimension_numbers=None,
+                         feature_group_count: int = 1, batch_group_count: int = 1, precision=None,
+                         preferred_element_type=None) -> jax.Array:
+    """`lax.conv_general_dilated` with the kernel gradient as matmuls (see the module docstring)."""
+    plain = (lhs.ndim == 4 and feature_group_count == 1 and batch_group_count == 1
+             and preferred_element_type is None
+             and all(d == 1 for d in (lhs_dilation or (1, 1))) and all(d == 1 for d in (rhs_dilation or (1, 1)))
+             and lax.conv_dimension_numbers(lhs.shape, rhs.shape, dimension_numbers) == _NHWC_HWIO)
+    if not plain or min(rhs.shape[2:]) < MIN_MATMUL_CHANNELS:
+        return lax.conv_general_dilated(lhs, rhs, window_strides, padding, lhs_dilation, rhs_dilation,
+                                        dimension_numbers, feature_group_count, batch_group_count, precision,
+                                        preferred_element_type)
+    strides = tuple(int(s) for s in window_strides)
+    if isinstance(padding, str):
+        padding = lax.padtype_to_pads(lhs.shape[1:3], rhs.shape[:2], strides, padding)
+    padding = tuple((int(lo), int(hi)) for lo, hi in padding)
+    return _conv(lhs, rhs, strides, padding, precision)
