@@ -7,6 +7,7 @@ anchors); the trainer compiles them ahead of time with explicit shardings.
 from __future__ import annotations
 
 import functools
+from collections.abc import Callable
 from typing import Any
 
 import flax.linen as nn
@@ -18,7 +19,7 @@ import optax
 
 import sharding
 from detector import anchors as anchors_lib
-from detector import losses, postprocess
+from detector import losses, optim, postprocess
 from detector.train_state import TrainState, state_shardings
 
 
@@ -57,16 +58,26 @@ def loss_fn(params, batch: dict[str, jax.Array], *, model: nn.Module, anchors: n
 
 def train_step(state: TrainState, batch: dict[str, jax.Array], *, model: nn.Module,
                tx: optax.GradientTransformation, schedule: optax.Schedule, anchors: np.ndarray,
-               loss_config, num_classes: int) -> tuple[TrainState, dict[str, jax.Array]]:
+               loss_config, num_classes: int,
+               frozen: Callable[[Any], Any] | None = None) -> tuple[TrainState, dict[str, jax.Array]]:
     """One optimizer step on a global batch. Returns (new_state, scalar metrics).
 
+    `frozen` (`optim.frozen_parameters`: params -> tree of bools) names the
+    parameters that never train; their gradients are not computed at all.
     When the loss or the gradient is not finite, parameters and optimizer
     state are returned unchanged and metrics['nonfinite'] is 1.
     """
-    grad_fn = jax.value_and_grad(
-        functools.partial(loss_fn, model=model, anchors=anchors, loss_config=loss_config,
-                          num_classes=num_classes),
-        has_aux=True)
+    def loss_of_trainable(params, batch):
+        if frozen is not None:
+            # The optimizer ignores these gradients anyway; stopping them here
+            # also drops their backward pass (kernel gradients, and the input
+            # gradients below the lowest trainable layer) from the program.
+            params = jax.tree.map(lambda p, fixed: jax.lax.stop_gradient(p) if fixed else p,
+                                  params, frozen(params))
+        return loss_fn(params, batch, model=model, anchors=anchors, loss_config=loss_config,
+                       num_classes=num_classes)
+
+    grad_fn = jax.value_and_grad(loss_of_trainable, has_aux=True)
     (loss, terms), grads = grad_fn(state.params, batch)
     grad_norm = optax.tree.norm(grads)
     updates, new_opt_state = tx.update(grads, state.opt_state, state.params)
@@ -148,7 +159,7 @@ def compile_train_step(config: ml_collections.ConfigDict, model: nn.Module, tx, 
     train_fn = jax.jit(
         functools.partial(train_step, model=model, tx=tx, schedule=schedule,
                           anchors=anchors_for_config(config), loss_config=config.loss,
-                          num_classes=num_classes),
+                          num_classes=num_classes, frozen=optim.frozen_parameters(config.model)),
         in_shardings=(shardings, batch_sharding),
         out_shardings=(shardings, sharding.replicated(mesh)),
         donate_argnums=0,
