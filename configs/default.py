@@ -113,6 +113,10 @@ def get_config() -> ml_collections.ConfigDict:
     config.model.fpn_features = 64
     config.model.head_convs = 2
     config.model.head_features = 64
+    # Normalisation in the head's towers: "group" (GroupNorm, per pyramid
+    # level) or "none" (the original RetinaNet's, torchvision's and
+    # detectron2's head: convolutions with biases only).
+    config.model.head_norm = "group"
     config.model.anchors = ml_collections.ConfigDict(dict(
         min_level=3, max_level=5, num_scales=3, aspect_ratios=(0.5, 1.0, 2.0), anchor_size=2.0))
 

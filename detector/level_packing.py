@@ -20,6 +20,7 @@ import dataclasses
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 # Zero pixels between regions: enough for one 3x3 convolution. Callers re-pack
 # after every conv so the gaps are zero again before the next one.
@@ -62,6 +63,14 @@ def pack(features: dict[int, jax.Array], layout: CanvasLayout) -> jax.Array:
     for level, (y, x, h, w) in layout.regions.items():
         canvas = jax.lax.dynamic_update_slice(canvas, features[level], (0, y, x, 0))
     return canvas
+
+
+def region_mask(layout: CanvasLayout) -> np.ndarray:
+    """`[1, height, width, 1]` float32: 1 inside the levels' regions, 0 in the gaps."""
+    mask = np.zeros((1, layout.height, layout.width, 1), np.float32)
+    for y, x, h, w in layout.regions.values():
+        mask[:, y:y + h, x:x + w] = 1.0
+    return mask
 
 
 def unpack(canvas: jax.Array, layout: CanvasLayout) -> dict[int, jax.Array]:

@@ -29,17 +29,23 @@ class RetinaNetHead(nn.Module):
     num_convs: int = 4
     features: int = 256
     prior_probability: float = 0.01
+    norm: str = "group"  # one of HEAD_NORMS
     dtype: Any = jnp.float32
 
     @nn.compact
     def __call__(self, pyramid: dict[int, jax.Array]) -> tuple[jax.Array, jax.Array]:
-        # Modules are created once and applied to every level: shared weights.
-        cls_tower = [(conv(self.features, 3, dtype=self.dtype, kernel_init=nn.initializers.normal(0.01),
-                           name=f"cls_conv{i}"), group_norm(self.features, dtype=self.dtype, name=f"cls_norm{i}"))
-                     for i in range(self.num_convs)]
-        box_tower = [(conv(self.features, 3, dtype=self.dtype, kernel_init=nn.initializers.normal(0.01),
-                           name=f"box_conv{i}"), group_norm(self.features, dtype=self.dtype, name=f"box_norm{i}"))
-                     for i in range(self.num_convs)]
+        if self.norm not in HEAD_NORMS:
+            raise ConfigError(f"model.head_norm={self.norm!r}; use one of {', '.join(HEAD_NORMS)}")
+
+        def tower_layers(prefix):
+            # Modules are created once and applied to every level: shared weights.
+            return [(conv(self.features, 3, dtype=self.dtype, kernel_init=nn.initializers.normal(0.01),
+                          name=f"{prefix}_conv{i}"),
+                     group_norm(self.features, dtype=self.dtype, name=f"{prefix}_norm{i}")
+                     if self.norm == "group" else None)
+                    for i in range(self.num_convs)]
+
+        cls_tower, box_tower = tower_layers("cls"), tower_layers("box")
         # The prior bias makes every anchor start as background with p=0.01, so
         # the focal loss of ~100k easy negatives does not swamp the first steps.
         prior_bias = -math.log((1.0 - self.prior_probability) / self.prior_probability)
@@ -54,10 +60,16 @@ class RetinaNetHead(nn.Module):
         # level); GroupNorm keeps per-level statistics, as in the paper.
         layout = level_packing.plan_layout({level: x.shape[1:3] for level, x in pyramid.items()})
         canvas = constrain_activation(level_packing.pack(pyramid, layout))
+        in_regions = jnp.asarray(level_packing.region_mask(layout), self.dtype)
 
         def tower(layers):
             x = canvas
             for conv_layer, norm_layer in layers:
+                if norm_layer is None:
+                    # Zeroing the gaps (biases and neighbours leak into them)
+                    # keeps every level's next conv equal to its own.
+                    x = constrain_activation(nn.relu(conv_layer(x)) * in_regions)
+                    continue
                 levels = level_packing.unpack(conv_layer(x), layout)
                 x = constrain_activation(level_packing.pack(
                     {level: nn.relu(norm_layer(y)) for level, y in levels.items()}, layout))
@@ -87,6 +99,7 @@ class RetinaNet(nn.Module):
         return self.head(self.neck(self.backbone(images)))
 
 
+HEAD_NORMS = ("group", "none")
 DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
 BACKBONES = ("resnet", "vit")
 
@@ -120,5 +133,5 @@ def create_model(model_config, num_classes: int, num_anchors: int) -> RetinaNet:
     else:
         raise ConfigError(f"model.backbone.name={name!r}; use one of {', '.join(BACKBONES)}")
     head = RetinaNetHead(num_classes, num_anchors, model_config.head_convs, model_config.head_features,
-                         dtype=dtype)
+                         norm=model_config.get("head_norm", "group"), dtype=dtype)
     return RetinaNet(backbone=backbone, neck=neck, head=head)
