@@ -1,7 +1,7 @@
 """Input-pipeline throughput on this machine: how many images/s can the host feed?
 
-  python benchmarks/input_pipeline.py                       # both pipelines below
-  python benchmarks/input_pipeline.py --batches=40 --threads=2 --threads=8
+  python -m benchmarks.input_pipeline                       # both pipelines below
+  python -m benchmarks.input_pipeline --batches=40 --threads=1 --threads=2
 
 Pipelines measured (each from a prepared split, reading, decoding and
 transforming exactly as training does, batches pulled as fast as possible):
@@ -14,9 +14,9 @@ transforming exactly as training does, batches pulled as fast as possible):
              host feeding 8 accelerators at 8 images each).
 
 Prints a markdown table: pipeline, output size, tf.data threads, images/s,
-ms per batch. Compare images/s with the train step's images/s
-(benchmarks/train_step.py) per host: below it, training waits for input
-(the trainer logs that wait as `input wait`).
+images/s per thread, ms per batch. Compare images/s with the train step's
+images/s per host (benchmarks.scaling, benchmarks.gpu): below it, training
+waits for input (the trainer logs that wait as `input wait`).
 """
 
 from __future__ import annotations
@@ -29,10 +29,7 @@ import time
 
 from absl import app, flags
 
-# Run as a script, this file's directory comes first on sys.path and its name
-# would shadow the `input_pipeline` package it measures.
-_HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path[:] = [p for p in sys.path if os.path.abspath(p or os.curdir) != _HERE]
+from benchmarks import report
 
 _BATCHES = flags.DEFINE_integer("batches", 20, "Timed batches per pipeline (after 3 warm-up batches).")
 _THREADS = flags.DEFINE_multi_integer("threads", [0], "tf.data threads per pipeline (0: the config's default).")
@@ -110,15 +107,15 @@ def main(argv: list[str]) -> None:
                 next(iterator)
             elapsed = time.perf_counter() - start
             batch = config.global_batch_size
+            used_threads = input_pipeline.num_threads(config)
+            images_per_s = _BATCHES.value * batch / elapsed
             rows.append((name, "x".join(str(v) for v in config.input.image_size), batch,
-                         threads or f"{os.cpu_count() // 2} (default)",
-                         _BATCHES.value * batch / elapsed, 1000 * elapsed / _BATCHES.value))
-            print(f"{name}: {rows[-1][4]:.1f} images/s", flush=True)
-    print(f"\nInput pipeline on {os.cpu_count()} CPU cores ({_BATCHES.value} batches each)\n")
-    print("| pipeline | output | batch | tf.data threads | images/s | ms/batch |")
-    print("|---|---|---|---|---|---|")
-    for name, size, batch, threads, images_per_s, ms in rows:
-        print(f"| {name} | {size} | {batch} | {threads} | {images_per_s:.1f} | {ms:.0f} |")
+                         f"{used_threads}" + ("" if threads else " (default)"),
+                         images_per_s, images_per_s / used_threads, 1000 * elapsed / _BATCHES.value))
+            print(f"{name}: {images_per_s:.1f} images/s", flush=True)
+    report.emit("input_pipeline", f"Input pipeline on {os.cpu_count()} CPU cores ({_BATCHES.value} batches each)",
+                ["pipeline", "output", "batch", "tf.data threads", "images/s", "images/s per thread", "ms/batch"],
+                rows)
 
 
 if __name__ == "__main__":

@@ -9,6 +9,7 @@ Public API:
   to_global_batch(local_batch, mesh, batch_axes) -> dict of jax.Array
   process_rows(sharding, global_batch_size) -> first row this process holds
   with_batch_size(config, batch_size) -> config copy batching by batch_size
+  num_threads(config) -> tf.data threads the pipeline uses
   get_dataset_info(config) -> DatasetInfo
   prepare_split(config, 'train' | 'eval') -> PreparedSplit (with counts)
   format_counts({name: PreparedSplit}) -> markdown table of the counts
@@ -28,6 +29,7 @@ from input_pipeline.pipeline import create_train_iterator
 from input_pipeline.pipeline import EvalIterator
 from input_pipeline.pipeline import InputCounts
 from input_pipeline.pipeline import local_batch_size
+from input_pipeline.pipeline import num_threads
 from input_pipeline.pipeline import TrainIterator
 from input_pipeline.pipeline import with_batch_size
 
@@ -43,6 +45,7 @@ __all__ = [
     "format_counts",
     "get_dataset_info",
     "local_batch_size",
+    "num_threads",
     "prepare_split",
     "process_rows",
     "with_batch_size",

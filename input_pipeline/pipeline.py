@@ -68,12 +68,16 @@ def local_batch_size(config, process_count: int | None = None) -> int:
   return global_batch // process_count
 
 
+def num_threads(config) -> int:
+  """tf.data's threads: `input.num_threads`, by default half the host's cores (1 to 16)."""
+  return int(config.input.get("num_threads", None) or max(
+      1, min(16, (os.cpu_count() or 2) // 2)))
+
+
 def _options(config) -> tf.data.Options:
   options = tf.data.Options()
   # A private pool bounds how many cores tf.data takes from the trainer.
-  threads = config.input.get("num_threads", None) or max(
-      1, min(16, (os.cpu_count() or 2) // 2))
-  options.threading.private_threadpool_size = int(threads)
+  options.threading.private_threadpool_size = num_threads(config)
   options.threading.max_intra_op_parallelism = 1
   options.deterministic = True
   return options

@@ -1,0 +1,1 @@
+"""Benchmarks: `python -m benchmarks.NAME`; each prints a markdown table and writes it as JSON."""

@@ -1,0 +1,34 @@
+"""Random training batches shaped like the input pipeline's, for benchmarks (numpy only: no JAX, no TF)."""
+
+from __future__ import annotations
+
+import numpy as np
+
+BOXES_PER_IMAGE = 7  # COCO's average
+
+
+def random_batch(config, num_classes: int, seed: int = 0,
+                 boxes_per_image: int = BOXES_PER_IMAGE) -> dict[str, np.ndarray]:
+    """One global batch of `config`: normalized images `[B, H, W, 3]`, yxyx pixel boxes, labels, masks."""
+    rng = np.random.default_rng(seed)
+    b = config.global_batch_size
+    height, width = config.input.image_size
+    max_boxes = config.input.max_boxes
+    k = min(boxes_per_image, max_boxes)
+    corners = rng.uniform(0.0, 1.0, size=(b, k, 2, 2)) * np.array([height, width])
+    boxes = np.zeros((b, max_boxes, 4), np.float32)
+    boxes[:, :k, :2] = corners.min(axis=2)
+    # At least 8 px on each side: every box gets positive anchors.
+    boxes[:, :k, 2:] = np.minimum(np.maximum(corners.max(axis=2), corners.min(axis=2) + 8.0), [height, width])
+    mask = np.arange(max_boxes)[None].repeat(b, 0) < k
+    labels = np.where(mask, rng.integers(0, num_classes, size=(b, max_boxes)), -1).astype(np.int32)
+    return {
+        "image": rng.normal(size=(b, height, width, 3)).astype(np.float32),
+        "boxes": boxes,
+        "labels": labels,
+        "boxes_mask": mask,
+        "image_id": np.arange(b, dtype=np.int32),
+        "scale": np.ones(b, np.float32),
+        "original_size": np.full((b, 2), (height, width), np.int32),
+        "example_mask": np.ones(b, bool),
+    }
