@@ -10,6 +10,7 @@ tensors (NCHW, OIHW kernels, torchvision's padding).
 from __future__ import annotations
 
 import functools
+import importlib.util
 import os
 import pathlib
 import subprocess
@@ -29,6 +30,8 @@ from detector import cli, optim, pretrained, steps
 from detector.backbone import ResNet, frozen_parameter_mask
 from detector.errors import ConfigError, WeightsFileError
 from detector.retinanet import create_model
+from detector.train_state import TrainState
+from benchmarks.synthetic import random_batch
 
 REPO_ROOT = pathlib.Path(__file__).resolve().parent.parent
 BN_TENSORS = ("weight", "bias", "running_mean", "running_var")
@@ -181,26 +184,43 @@ def test_resnet50_layout_converts_and_loads_into_the_model(tmp_path):
                                rtol=1e-6, atol=1e-7)
 
 
-def test_matches_torchvision_resnet50():
-    torch = pytest.importorskip("torch")
-    torchvision = pytest.importorskip("torchvision")
-    torch.manual_seed(0)
-    net = torchvision.models.resnet50().eval()  # random init: nothing downloaded
-    with torch.no_grad():
-        for module in net.modules():
-            if isinstance(module, torch.nn.BatchNorm2d):  # statistics that matter
-                module.weight.uniform_(0.5, 1.5)
-                module.bias.normal_(0, 0.1)
-                module.running_mean.normal_(0, 0.1)
-                module.running_var.uniform_(0.5, 2.0)
-    state = {name: tensor.numpy() for name, tensor in net.state_dict().items()}
+# Runs in its own process: torchvision can crash on import next to TensorFlow,
+# which this test process has loaded.
+_TORCHVISION_RESNET50_FEATURES = r"""
+import sys
+import numpy as np
+import torch
+import torchvision
+
+torch.manual_seed(0)
+net = torchvision.models.resnet50().eval()  # random init: nothing downloaded
+with torch.no_grad():
+    for module in net.modules():
+        if isinstance(module, torch.nn.BatchNorm2d):  # statistics that matter
+            module.weight.uniform_(0.5, 1.5)
+            module.bias.normal_(0, 0.1)
+            module.running_mean.normal_(0, 0.1)
+            module.running_var.uniform_(0.5, 2.0)
+arrays = {"state." + name: tensor.numpy() for name, tensor in net.state_dict().items()}
+with torch.no_grad():
+    x = net.maxpool(net.relu(net.bn1(net.conv1(torch.from_numpy(np.load(sys.argv[1]))))))
+    for level, layer in zip(range(2, 6), (net.layer1, net.layer2, net.layer3, net.layer4)):
+        x = layer(x)
+        arrays[f"level{level}"] = x.numpy()
+np.savez(sys.argv[2], **arrays)
+"""
+
+
+def test_matches_torchvision_resnet50(tmp_path):
+    if importlib.util.find_spec("torch") is None or importlib.util.find_spec("torchvision") is None:
+        pytest.skip("torch and torchvision are not installed (pip install -e '.[bench]')")
     images = random_images((64, 64), batch=1)
-    with torch.no_grad():
-        x = net.maxpool(net.relu(net.bn1(net.conv1(torch.from_numpy(images)))))
-        expected = {}
-        for level, layer in zip(range(2, 6), (net.layer1, net.layer2, net.layer3, net.layer4)):
-            x = layer(x)
-            expected[level] = x.numpy()
+    np.save(tmp_path / "images.npy", images)
+    subprocess.run([sys.executable, "-c", _TORCHVISION_RESNET50_FEATURES, str(tmp_path / "images.npy"),
+                    str(tmp_path / "torchvision.npz")], check=True, timeout=300)
+    arrays = np.load(tmp_path / "torchvision.npz")
+    state = {name[len("state."):]: arrays[name] for name in arrays.files if name.startswith("state.")}
+    expected = {level: arrays[f"level{level}"] for level in range(2, 6)}
     params = pretrained.convert_torchvision_resnet(state)
     ours = ResNet((3, 4, 6, 3), 64, "bottleneck", norm="frozen_bn").apply({"params": params},
                                                                           images.transpose(0, 2, 3, 1))
@@ -402,3 +422,30 @@ def test_freeze_stages_follows_detectron2_freeze_at():
     assert len(frozen_modules(5)) == 6
     with pytest.raises(ConfigError, match=r"model\.backbone\.freeze_stages=6; use an integer from 0 .* to 5"):
         frozen_parameter_mask(params, freeze_stages=6)
+
+
+def test_frozen_stages_get_no_backward_pass():
+    """Freezing drops the frozen layers' gradients from the compiled step: fewer FLOPs, same loss."""
+    def compiled_step(skip_frozen_gradients):
+        config = _tiny_frozen_bn_config(freeze_stages=5)
+        config.global_batch_size = 2
+        model = create_model(config.model, 3, steps.num_anchors_per_location(config))
+        tx, schedule = optim.create_optimizer(config.optimizer, 10, model_config=config.model)
+        step = jax.jit(functools.partial(steps.train_step, model=model, tx=tx, schedule=schedule,
+                                         anchors=steps.anchors_for_config(config), loss_config=config.loss,
+                                         num_classes=3,
+                                         frozen=optim.frozen_parameters(config.model) if skip_frozen_gradients
+                                         else None))
+        params = nn.meta.unbox(model.init(jax.random.key(0), jnp.zeros((1, *config.input.image_size, 3)))["params"])
+        state = TrainState(step=jnp.zeros((), jnp.int32), params=params, opt_state=tx.init(params))
+        batch = random_batch(config, 3)
+        compiled = step.lower(state, batch).compile()
+        return compiled.cost_analysis()["flops"], compiled(state, batch)[1]
+
+    all_flops, all_metrics = compiled_step(False)
+    frozen_flops, frozen_metrics = compiled_step(True)
+    # The whole (tiny) ResNet is frozen: its backward pass, ~7% of this
+    # head-heavy step, is gone; computed and then discarded it would not be.
+    assert frozen_flops < 0.95 * all_flops
+    np.testing.assert_allclose(frozen_metrics["loss"], all_metrics["loss"], rtol=1e-6)
+    assert frozen_metrics["grad_norm"] < all_metrics["grad_norm"]  # the frozen gradients are zeros
