@@ -425,10 +425,11 @@ def test_freeze_stages_follows_detectron2_freeze_at():
 
 
 def test_frozen_stages_get_no_backward_pass():
-    """Freezing drops the frozen layers' gradients from the compiled step: fewer FLOPs, same loss."""
-    def compiled_step(skip_frozen_gradients):
+    """Freezing drops the frozen layers' gradients from the step's program: fewer FLOPs."""
+    def step_flops(skip_frozen_gradients):
         config = _tiny_frozen_bn_config(freeze_stages=5)
         config.global_batch_size = 2
+        config.input.image_size = (64, 64)
         model = create_model(config.model, 3, steps.num_anchors_per_location(config))
         tx, schedule = optim.create_optimizer(config.optimizer, 10, model_config=config.model)
         step = jax.jit(functools.partial(steps.train_step, model=model, tx=tx, schedule=schedule,
@@ -436,16 +437,14 @@ def test_frozen_stages_get_no_backward_pass():
                                          num_classes=3,
                                          frozen=optim.frozen_parameters(config.model) if skip_frozen_gradients
                                          else None))
-        params = nn.meta.unbox(model.init(jax.random.key(0), jnp.zeros((1, *config.input.image_size, 3)))["params"])
-        state = TrainState(step=jnp.zeros((), jnp.int32), params=params, opt_state=tx.init(params))
-        batch = random_batch(config, 3)
-        compiled = step.lower(state, batch).compile()
-        return compiled.cost_analysis()["flops"], compiled(state, batch)[1]
+        images = jnp.zeros((1, *config.input.image_size, 3))
+        params = nn.meta.unbox(jax.eval_shape(model.init, jax.random.key(0), images)["params"])
+        state = TrainState(step=jax.ShapeDtypeStruct((), jnp.int32), params=params,
+                           opt_state=jax.eval_shape(tx.init, params))
+        return step.lower(state, random_batch(config, 3)).cost_analysis()["flops"]
 
-    all_flops, all_metrics = compiled_step(False)
-    frozen_flops, frozen_metrics = compiled_step(True)
+    all_flops = step_flops(False)
+    frozen_flops = step_flops(True)
     # The whole (tiny) ResNet is frozen: its backward pass, ~7% of this
     # head-heavy step, is gone; computed and then discarded it would not be.
     assert frozen_flops < 0.95 * all_flops
-    np.testing.assert_allclose(frozen_metrics["loss"], all_metrics["loss"], rtol=1e-6)
-    assert frozen_metrics["grad_norm"] < all_metrics["grad_norm"]  # the frozen gradients are zeros
