@@ -1,0 +1,144 @@
+"""The GPU and compile-time benchmarks, end to end on the CPU with tiny configs."""
+
+import json
+import math
+import os
+import subprocess
+import sys
+
+import pytest
+
+from benchmarks import gpu
+
+REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def _cpu_env() -> dict[str, str]:
+    """The test process's environment on one CPU device (conftest's 8 fake devices would split batch 2)."""
+    env = dict(os.environ, JAX_PLATFORMS="cpu")
+    # Quick XLA:CPU code generation, as conftest sets for the suite: these runs
+    # compile far more than they compute.
+    env["XLA_FLAGS"] = "--xla_cpu_use_xnnpack=true --xla_backend_optimization_level=0"
+    return env
+
+
+def _run(module: str, *args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", module, *args], cwd=REPO_ROOT, env=_cpu_env(),
+                          capture_output=True, text=True, timeout=600)
+
+
+@pytest.mark.parametrize("device_kind, expected", [
+    ("NVIDIA H100 80GB HBM3", 989e12),
+    ("NVIDIA H100 PCIe", 756e12),
+    ("NVIDIA H200", 989e12),
+    ("NVIDIA A100-SXM4-80GB", 312e12),
+    ("NVIDIA L4", 121e12),
+    ("NVIDIA L40S", 362e12),
+    ("TPU v5 lite", 197e12),
+    ("TPU v5", 459e12),
+    ("cpu", None),
+    ("Some Future Accelerator", None),
+])
+def test_peak_flops_lookup(device_kind, expected):
+    assert gpu.peak_flops(device_kind) == expected
+
+
+def test_batch_search_doubles_until_a_batch_does_not_fit(monkeypatch):
+    tried = []
+
+    def fake_measure(config, batch_size, device, memory_limit, steps, num_classes):
+        tried.append(batch_size)
+        return {"batch": batch_size, "seconds_per_step": 1.0, "per_device_bytes": 0} if batch_size <= 8 else None
+
+    monkeypatch.setattr(gpu, "measure", fake_measure)
+    fitting = gpu.largest_fitting_batch("m", None, None, None, start_batch=1, max_batch=64, steps=1, num_classes=1)
+    assert tried == [1, 2, 4, 8, 16] and fitting[-1]["batch"] == 8
+    tried.clear()
+    fitting = gpu.largest_fitting_batch("m", None, None, None, start_batch=2, max_batch=4, steps=1, num_classes=1)
+    assert tried == [2, 4] and fitting[-1]["batch"] == 4  # capped at max_batch
+
+
+def test_gpu_smoke(tmp_path):
+    # --max_batch=1: one compile per model (the search itself is tested above);
+    # compiling dominates the run, about 25 s per model on a 2-core machine.
+    result = _run("benchmarks.gpu", "--smoke", "--max_batch=1", "--output_dir", str(tmp_path))
+    assert result.returncode == 0, result.stderr[-3000:]
+    with open(tmp_path / "gpu.json") as f:
+        rows = json.load(f)["rows"]
+    assert len(rows) == 2
+    for row in rows:
+        assert row["per-device batch"] >= 1
+        assert row["images/s"] > 0
+        assert math.isfinite(row["TFLOP/step"]) and row["TFLOP/step"] > 0
+        assert math.isfinite(row["MFU"]) and row["MFU"] > 0
+
+
+def test_compile_time_warm_cache_skips_compiling(tmp_path):
+    result = _run("benchmarks.compile_time", "--configs=default", "--image_size=64",
+                  f"--cache_root={tmp_path / 'cache'}", "--output_dir", str(tmp_path))
+    assert result.returncode == 0, result.stderr[-3000:]
+    with open(tmp_path / "compile_time.json") as f:
+        cold, warm = json.load(f)["rows"]
+    assert (cold["cache"], warm["cache"]) == ("cold", "warm")
+    assert os.listdir(tmp_path / "cache" / "default")
+    # Every program the warm run compiles is found in the cache, so it writes nothing.
+    assert cold["cache entries written"] > 0 and warm["cache entries written"] == 0
+    # XLA:CPU's persistent cache does pay off: what is left of a warm
+    # "compile" is tracing and lowering (a fifth to a quarter of a cold compile
+    # of this config), so warm must be clearly faster, not merely no slower.
+    assert warm["compile s"] < 0.7 * cold["compile s"]
+    assert warm["start→first step s"] < cold["start→first step s"]
+
+
+def test_torchvision_comparison_says_how_to_install_torch_when_missing():
+    hide_torch = ("import importlib.util, runpy, sys\n"
+                  "find_spec = importlib.util.find_spec\n"
+                  "importlib.util.find_spec = lambda name, *a: None if name in ('torch', 'torchvision') "
+                  "else find_spec(name, *a)\n"
+                  "sys.argv = ['vs_torchvision']\n"
+                  "runpy.run_module('benchmarks.vs_torchvision', run_name='__main__', alter_sys=True)\n")
+    result = subprocess.run([sys.executable, "-c", hide_torch], cwd=REPO_ROOT, env=_cpu_env(),
+                            capture_output=True, text=True, timeout=300)
+    assert result.returncode != 0
+    assert "pip install -e \".[bench]\"" in result.stderr.strip().splitlines()[-1]
+
+
+# torchvision's parameter counts, from its own process (torchvision can crash
+# on import next to TensorFlow, which this process has loaded).
+_TORCHVISION_PARAMETERS = r"""
+import json
+from benchmarks.vs_torchvision import torchvision_model
+model = torchvision_model(80, 512)
+print(json.dumps({"total": sum(p.numel() for p in model.parameters()),
+                  "trainable": sum(p.numel() for p in model.parameters() if p.requires_grad)}))
+"""
+
+
+def test_compared_models_have_the_same_parameters():
+    """Ours as benchmarked and torchvision's RetinaNet R50-FPN hold the same weights, frozen and trained."""
+    import importlib.util
+
+    if importlib.util.find_spec("torch") is None or importlib.util.find_spec("torchvision") is None:
+        pytest.skip("torch and torchvision are not installed (pip install -e '.[bench]')")
+    import jax
+    import numpy as np
+    from flax import traverse_util
+
+    from benchmarks import vs_torchvision
+    from detector import optim, steps
+    from detector.retinanet import create_model
+
+    result = subprocess.run([sys.executable, "-c", _TORCHVISION_PARAMETERS], cwd=REPO_ROOT, env=_cpu_env(),
+                            capture_output=True, text=True, timeout=300, check=True)
+    theirs = json.loads(result.stdout.strip().splitlines()[-1])
+    config = vs_torchvision.our_config(2, 512, "float32")
+    model = create_model(config.model, 80, steps.num_anchors_per_location(config))
+    params = jax.eval_shape(lambda: model.init(jax.random.key(0), jax.numpy.zeros((1, 512, 512, 3))))["params"]
+    params = jax.tree.map(lambda x: x.value if hasattr(x, "value") else x, params,
+                          is_leaf=lambda x: hasattr(x, "value"))
+    frozen = traverse_util.flatten_dict(optim.frozen_parameters(config.model)(params))
+    sizes = {path: int(np.prod(leaf.shape)) for path, leaf in traverse_util.flatten_dict(params).items()}
+    # torchvision keeps frozen BatchNorm as buffers, not parameters.
+    total = sum(n for path, n in sizes.items() if not any("FrozenBatchNorm" in p or p == "stem_norm" for p in path))
+    trainable = sum(n for path, n in sizes.items() if not frozen[path])
+    assert (total, trainable) == (theirs["total"], theirs["trainable"])
