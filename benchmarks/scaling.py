@@ -20,7 +20,6 @@ and collective bytes are what each accelerator would hold and move.
 from __future__ import annotations
 
 import gc
-import sys
 
 from absl import app, flags
 from ml_collections import config_flags
@@ -50,6 +49,10 @@ def mesh_shapes(device_counts, shapes) -> list[tuple[int, int, int]]:
 
 def main(argv: list[str]) -> None:
     del argv
+    from detector import cli
+
+    if _DEVICES.value > 0:
+        cli.use_fake_cpu_devices(_DEVICES.value)  # before JAX starts its backend, below
     import jax
 
     from benchmarks import jax_step
@@ -93,14 +96,5 @@ def main(argv: list[str]) -> None:
 if __name__ == "__main__":
     from detector import cli
 
-    for arg in sys.argv:
-        # Must happen before JAX initialises its backend.
-        if arg.startswith("--devices="):
-            count = int(arg.split("=", 1)[1])
-            if count > 0:
-                cli.use_fake_cpu_devices(count)
-            break
-    else:
-        cli.use_fake_cpu_devices(_DEVICES.default)
     cli.use_fast_cpu_convolutions()
     app.run(main)
