@@ -54,7 +54,7 @@ SHIPPED_CONFIGS = ("default", "vitdet_tiny", "retinanet_r50_coco", "vitdet_b_coc
                    "vitdet_h_coco")
 # The configs that finish on a 2-core, 24 GB CPU machine, each in under 5 minutes.
 # vitdet_h_coco is left out: its step needs 20.1 GB at 256 px and batch 2
-# (`python -m sharding.plan`), and even at 128 px its worker grows past 20 GB
+# (`python -m detector.plan`), and even at 128 px its worker grows past 20 GB
 # while initialising, more than such a machine has to spare.
 DEFAULT_CONFIGS = ("default", "vitdet_tiny", "retinanet_r50_coco", "vitdet_b_coco", "vitdet_l_coco")
 

@@ -11,15 +11,15 @@ import dataclasses
 import time
 from typing import Any
 
-import flax.linen as nn
 import jax
 
 import sharding
-from detector import optim, steps
-from detector.retinanet import create_model
-from detector.train_state import init_train_state
+from detector.training import optim
+from detector.training import steps
+from detector.models.retinanet import create_model
+from detector.training.train_state import init_train_state
 from benchmarks.synthetic import random_batch
-from sharding import plan as plan_lib
+from sharding import step_plan
 
 @dataclasses.dataclass
 class TrainStep:
@@ -28,7 +28,7 @@ class TrainStep:
     compiled: Any
     state: Any
     batch: dict[str, jax.Array]
-    plan: plan_lib.StepPlan  # per-device memory, FLOPs, collectives
+    plan: step_plan.StepPlan  # per-device memory, FLOPs, collectives
     global_batch_size: int
 
     def run(self, num_steps: int) -> float:
@@ -49,14 +49,14 @@ def build(config, num_classes: int, devices=None) -> TrainStep:
     model = create_model(config.model, num_classes, steps.num_anchors_per_location(config))
     tx, schedule = optim.create_optimizer(config.optimizer, config.total_steps, model_config=config.model)
     batch_sharding = sharding.batch_sharding(mesh, sharding.batch_axes(mesh))
-    with jax.set_mesh(mesh), nn.logical_axis_rules(rules):
+    with sharding.use_mesh(mesh, rules):
         start = time.perf_counter()
         compiled, abstract_state, shardings = steps.compile_train_step(
             config, model, tx, schedule, num_classes=num_classes, mesh=mesh, rules=rules)
         compile_seconds = time.perf_counter() - start
         state = init_train_state(model, tx, tuple(config.input.image_size), shardings, jax.random.key(0))
     abstract_batch = steps.abstract_batch(config, config.global_batch_size, batch_sharding)
-    plan = plan_lib.plan_from_compiled(compiled, abstract_state, abstract_batch, dict(mesh.shape),
+    plan = step_plan.plan_from_compiled(compiled, abstract_state, abstract_batch, dict(mesh.shape),
                                        config.global_batch_size, compile_seconds)
     batch = jax.device_put(random_batch(config, num_classes), batch_sharding)
     return TrainStep(compiled=compiled, state=state, batch=batch, plan=plan,

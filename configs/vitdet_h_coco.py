@@ -3,7 +3,7 @@
 Same recipe as configs/vitdet_b_coco.py. ~0.65 B parameters: plan the mesh
 before launching, e.g. for 64 devices of 80 GB:
 
-python -m sharding.plan --config=configs/vitdet_h_coco.py --devices=64
+python -m detector.plan --config=configs/vitdet_h_coco.py --devices=64
 """
 
 import ml_collections

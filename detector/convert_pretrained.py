@@ -15,7 +15,8 @@ from __future__ import annotations
 
 from absl import flags
 
-from detector import cli, pretrained
+from detector import cli
+from detector.models import weight_import
 from detector.errors import ConfigError
 
 _INPUT = flags.DEFINE_string("input", None, "torchvision ResNet state dict: .pth, .pt, .safetensors or .npz.")
@@ -29,12 +30,12 @@ def main(argv: list[str]) -> None:
     if not _OUTPUT.value.endswith(".npz"):
         raise ConfigError(f"--output={_OUTPUT.value}: the converted backbone is written as .npz; "
                           "give a name ending in .npz")
-    state_dict = pretrained.read_state_dict(_INPUT.value)
-    stage_sizes = pretrained.torchvision_stage_sizes(state_dict)
-    backbone = pretrained.flatten_backbone_params(pretrained.convert_torchvision_resnet(state_dict, stage_sizes))
-    pretrained.save_backbone_params(backbone, _OUTPUT.value)
+    state_dict = weight_import.read_state_dict(_INPUT.value)
+    stage_sizes = weight_import.torchvision_stage_sizes(state_dict)
+    backbone = weight_import.flatten_backbone_params(weight_import.convert_torchvision_resnet(state_dict, stage_sizes))
+    weight_import.save_backbone_params(backbone, _OUTPUT.value)
 
-    ignored = pretrained.ignored_torchvision_keys(state_dict)
+    ignored = weight_import.ignored_torchvision_keys(state_dict)
     counters = [name for name in ignored if name.endswith("num_batches_tracked")]
     others = [name for name in ignored if name not in counters]
     ignored_text = ", ".join(others + ([f"{len(counters)} num_batches_tracked counters"] if counters else []))

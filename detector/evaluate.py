@@ -16,7 +16,7 @@ from __future__ import annotations
 from absl import flags
 
 from detector import cli
-from detector.inference import evaluate_workdir
+from detector.serving.predictor import evaluate_workdir
 from sharding import distributed
 
 _CONFIG, _WORKDIR, _CHECKPOINT = cli.define_trained_run_flags()

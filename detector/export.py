@@ -25,9 +25,10 @@ import jax
 from absl import flags
 from etils import epath
 
-from detector import cli, exporting
+from detector import cli
+from detector.serving import artifact
 from detector.errors import ConfigError
-from detector.inference import load_predictor
+from detector.serving.predictor import load_predictor
 from sharding import distributed
 
 _CONFIG, _WORKDIR, _CHECKPOINT = cli.define_trained_run_flags()
@@ -44,12 +45,12 @@ def main(argv: list[str]) -> None:
     # The predictor's own (sharded, compiled) batch size is the config's; the
     # exported program has its own, fixed one.
     predictor = load_predictor(_CONFIG.value, _WORKDIR.value, _CHECKPOINT.value)
-    exported = exporting.export_predictor(predictor, _BATCH_SIZE.value)
+    exported = artifact.export_predictor(predictor, _BATCH_SIZE.value)
     if jax.process_index() != 0:
         return
     output = _OUTPUT.value or epath.Path(_WORKDIR.value) / "export" / "jax"
-    directory = exporting.write_artifact(exported, predictor, output)
-    written = [directory / exporting.EXPORTED_FILE, directory / exporting.METADATA_FILE]
+    directory = artifact.write_artifact(exported, predictor, output)
+    written = [directory / artifact.EXPORTED_FILE, directory / artifact.METADATA_FILE]
     sizes = ", ".join(f"{path.name} ({_format_size(path.stat().length)})" for path in written)
     message = (f"exported step {predictor.step} ({_CHECKPOINT.value}) for batches of {_BATCH_SIZE.value} "
                f"on {'/'.join(exported.platforms)} to {directory}: {sizes}")

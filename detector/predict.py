@@ -20,7 +20,7 @@ from absl import flags
 
 from detector import cli
 from detector.errors import ConfigError
-from detector.inference import load_predictor, predict_images
+from detector.serving.predictor import load_predictor, predict_images
 from sharding import distributed
 
 _CONFIG, _WORKDIR, _CHECKPOINT = cli.define_trained_run_flags()

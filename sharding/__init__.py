@@ -7,13 +7,16 @@ logical axis names and the rules in `config.sharding.rules`.
 
 from sharding.mesh import MESH_AXES, MeshError, batch_axes, check_global_batch, create_mesh, resolve_mesh_shape
 from sharding.partitioning import (
+    LogicalRules,
     logical_rules,
     mesh_sharding_for_logical_specs,
     replicated,
     batch_sharding,
+    use_mesh,
 )
 
 __all__ = [
+    "LogicalRules",
     "MESH_AXES",
     "MeshError",
     "batch_axes",
@@ -24,4 +27,5 @@ __all__ = [
     "mesh_sharding_for_logical_specs",
     "replicated",
     "resolve_mesh_shape",
+    "use_mesh",
 ]

@@ -64,7 +64,7 @@ def check_fits(report: MemoryReport | None, limit_bytes: int | None) -> None:
         f"the train step needs {report.total_bytes / 2**30:.2f} GiB per device but the device has "
         f"{limit_bytes / 2**30:.2f} GiB; shard more (raise mesh.fsdp or mesh.model), lower "
         f"global_batch_size, set model.remat=full or model.dtype=bfloat16 "
-        f"(`python -m sharding.plan --config=... --devices=N` finds a split that fits)")
+        f"(`python -m detector.plan --config=... --devices=N` finds a split that fits)")
 
 
 def per_device_bytes(tree: Any) -> int:

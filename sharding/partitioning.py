@@ -7,6 +7,7 @@ axes. Changing a rule changes the partitioning, never the code.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import math
 from collections.abc import Sequence
@@ -28,6 +29,14 @@ SPATIAL_PARTITIONING_RULES: LogicalRules = (
     ("channels", None),
     ("conv_out", "fsdp"),
 )
+
+
+@contextlib.contextmanager
+def use_mesh(mesh: Mesh, rules: LogicalRules):
+    """Makes `mesh` and the logical-axis `rules` current: what initialising, tracing and compiling a
+    logically partitioned Linen module needs (bare `PartitionSpec` constraints resolve against the mesh)."""
+    with jax.set_mesh(mesh), nn.logical_axis_rules(rules):
+        yield
 
 
 def logical_rules(sharding_config) -> LogicalRules:

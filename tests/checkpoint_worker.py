@@ -21,7 +21,7 @@ from absl import app
 from jax.experimental import multihost_utils
 
 import sharding
-from detector import checkpointing
+from detector.training import checkpointing
 from sharding import distributed
 from sharded_training import abstract_state_on_mesh
 

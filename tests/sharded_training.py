@@ -6,16 +6,16 @@ import math
 import types
 
 import flax
-import flax.linen as nn
 import jax
 import numpy as np
 
 import input_pipeline
 import sharding
-from detector import optim, steps
-from detector.retinanet import create_model
+from detector.training import optim
+from detector.training import steps
+from detector.models.retinanet import create_model
 from configs import default
-from detector.train_state import TrainState, describe_param_shardings, state_shardings
+from detector.training.train_state import TrainState, describe_param_shardings, state_shardings
 
 NUM_CLASSES = 4  # synthetic_shapes
 
@@ -26,7 +26,7 @@ def abstract_state_on_mesh(config, mesh) -> TrainState:
     info = input_pipeline.get_dataset_info(config)
     model = create_model(config.model, info.num_classes, steps.num_anchors_per_location(config))
     tx, _ = optim.create_optimizer(config.optimizer, config.total_steps, model_config=config.model)
-    with jax.set_mesh(mesh), nn.logical_axis_rules(rules):
+    with sharding.use_mesh(mesh, rules):
         abstract_state, _ = state_shardings(model, tx, tuple(config.input.image_size), mesh, rules)
     return abstract_state
 
@@ -42,7 +42,7 @@ def train_on_mesh(config, mesh_shape, initial_params, batches, num_classes: int)
     rules = sharding.logical_rules(config.sharding)
     model = create_model(config.model, num_classes, steps.num_anchors_per_location(config))
     tx, schedule = optim.create_optimizer(config.optimizer, config.total_steps, model_config=config.model)
-    with jax.set_mesh(mesh), nn.logical_axis_rules(rules):
+    with sharding.use_mesh(mesh, rules):
         compiled, _, shardings = steps.compile_train_step(config, model, tx, schedule, num_classes=num_classes,
                                                           mesh=mesh, rules=rules)
         # From host copies: the step donates its state, so every run needs its own buffers.

@@ -7,8 +7,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from detector import anchors as anchors_lib
-from detector import box_ops
+from detector.ops import anchors as anchors_lib
+from detector.ops import box_ops
 
 RATIOS = (0.5, 1.0, 2.0)
 # Jitted: one compile per shape is much faster than eager op-by-op dispatch.

@@ -125,8 +125,9 @@ def test_compared_models_have_the_same_parameters():
     from flax import traverse_util
 
     from benchmarks import vs_torchvision
-    from detector import optim, steps
-    from detector.retinanet import create_model
+    from detector.training import optim
+    from detector.training import steps
+    from detector.models.retinanet import create_model
 
     result = subprocess.run([sys.executable, "-c", _TORCHVISION_PARAMETERS], cwd=REPO_ROOT, env=_cpu_env(),
                             capture_output=True, text=True, timeout=300, check=True)

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 from pycocotools import mask as mask_utils
 
-from detector import box_ops
+from detector.ops import box_ops
 
 
 def _random_boxes_yxyx(rng, n, size=100.0):

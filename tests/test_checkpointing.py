@@ -1,7 +1,7 @@
 import jax.numpy as jnp
 import numpy as np
 
-from detector import checkpointing
+from detector.training import checkpointing
 
 
 def test_relative_workdir_saves_and_restores(tmp_path, monkeypatch):

@@ -1,4 +1,4 @@
-"""COCO-format folders end to end: category ids in and out, crowds, negatives, training and evaluation."""
+"""COCO-format folders end to end: category ids in and out, crowds, negatives, training and coco_evaluation."""
 
 import json
 
@@ -7,7 +7,8 @@ import pytest
 
 import input_pipeline
 from coco_folders import CATEGORY_IDS, coco_json_overrides, write_folder
-from detector import evaluation, train
+from detector.serving import coco_evaluation
+from detector.training import trainer
 from test_pipeline import make_config as make_pipeline_config
 from test_train import compilation_cache_dir  # noqa: F401  (autouse: shares test_train's compiled programs)
 from tiny_config import make_config as make_train_config
@@ -58,15 +59,15 @@ def test_perfect_predictions_score_one_against_the_users_json(folder_config):
     for batch in input_pipeline.create_eval_iterator(folder_config).batches:
         outputs = _perfect_outputs(batch)
         image_ids += batch["image_id"][batch["example_mask"]].tolist()
-        results += evaluation.detections_to_coco(outputs, info.label_to_category_id)
+        results += coco_evaluation.detections_to_coco(outputs, info.label_to_category_id)
     assert sorted(image_ids) == sorted(im["id"] for im in users["images"])
     assert {r["category_id"] for r in results} <= set(CATEGORY_IDS)
-    metrics = evaluation.coco_metrics(ground_truth, results, image_ids)
+    metrics = coco_evaluation.coco_metrics(ground_truth, results, image_ids)
     assert metrics["AP"] == pytest.approx(1.0)
     assert metrics["AP50"] == pytest.approx(1.0)
     # The same boxes reported with contiguous labels instead of the user's ids score nothing:
     # the remap is what makes the score right.
-    unmapped = evaluation.coco_metrics(ground_truth, [dict(r, category_id=CATEGORY_IDS.index(r["category_id"]))
+    unmapped = coco_evaluation.coco_metrics(ground_truth, [dict(r, category_id=CATEGORY_IDS.index(r["category_id"]))
                                                       for r in results], image_ids)
     assert unmapped["AP"] < 0.1
 
@@ -75,7 +76,7 @@ def test_trains_and_evaluates_on_a_coco_folder(tmp_path):
     overrides = coco_json_overrides(tmp_path / "folder", num_train=16, num_eval=8)
     # test_train's reference program (same model, batch and schedule): compiled once per test run.
     config = make_train_config(tmp_path / "data", **overrides)
-    metrics = train.train_and_evaluate(config, str(tmp_path / "run"))
+    metrics = trainer.train_and_evaluate(config, str(tmp_path / "run"))
     assert set(metrics) >= {"AP", "AP50", "AR100"} and all(np.isfinite(list(metrics.values())))
     report = json.loads((tmp_path / "run" / "data_report.json").read_text())
     assert report["dataset"] == "coco_json"

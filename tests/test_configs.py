@@ -16,9 +16,10 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 
 import sharding
 from configs import retinanet_r50_coco
-from detector import optim, steps
-from detector.retinanet import create_model
-from detector.train_state import count_params, state_shardings
+from detector.training import optim
+from detector.training import steps
+from detector.models.retinanet import create_model
+from detector.training.train_state import count_params, state_shardings
 from input_pipeline import datasets
 from sharding import memory
 
@@ -97,7 +98,7 @@ def test_r50_train_step_compiles_on_8_devices():
     model = create_model(config.model, num_classes, steps.num_anchors_per_location(config))
     tx, schedule = optim.create_optimizer(config.optimizer, config.total_steps)
     anchors = steps.anchors_for_config(config)
-    with jax.set_mesh(mesh), nn.logical_axis_rules(rules):
+    with sharding.use_mesh(mesh, rules):
         abstract_state, shardings = state_shardings(model, tx, tuple(config.input.image_size), mesh, rules)
         train_fn = jax.jit(
             functools.partial(steps.train_step, model=model, tx=tx, schedule=schedule, anchors=anchors,

@@ -7,8 +7,8 @@ import numpy as np
 import pytest
 from jax import lax
 
-from detector import convolution
-from detector.layers import conv
+from detector.models import convolution
+from detector.models.layers import conv
 
 NHWC = ("NHWC", "HWIO", "NHWC")
 

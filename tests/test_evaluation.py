@@ -1,7 +1,7 @@
 import numpy as np
 import pytest
 
-from detector import evaluation
+from detector.serving import coco_evaluation
 
 GROUND_TRUTH = {
     "images": [{"id": 7, "height": 100, "width": 200}, {"id": 9, "height": 50, "width": 50}],
@@ -43,7 +43,7 @@ def _outputs_for(gt, scale, pad_example=True):
 
 
 def test_detections_map_back_to_original_pixels_and_category_ids():
-    results = evaluation.detections_to_coco(_outputs_for(GROUND_TRUTH, scale=0.64), LABEL_TO_CATEGORY)
+    results = coco_evaluation.detections_to_coco(_outputs_for(GROUND_TRUTH, scale=0.64), LABEL_TO_CATEGORY)
     assert len(results) == 3
     first = [r for r in results if r["image_id"] == 7 and r["category_id"] == 3][0]
     np.testing.assert_allclose(first["bbox"], [10.0, 20.0, 60.0, 40.0], atol=1e-3)
@@ -51,21 +51,21 @@ def test_detections_map_back_to_original_pixels_and_category_ids():
 
 
 def test_perfect_predictions_score_one():
-    results = evaluation.detections_to_coco(_outputs_for(GROUND_TRUTH, scale=1.7), LABEL_TO_CATEGORY)
-    metrics = evaluation.coco_metrics(GROUND_TRUTH, results)
+    results = coco_evaluation.detections_to_coco(_outputs_for(GROUND_TRUTH, scale=1.7), LABEL_TO_CATEGORY)
+    metrics = coco_evaluation.coco_metrics(GROUND_TRUTH, results)
     assert metrics["AP"] == pytest.approx(1.0)
     assert metrics["AP50"] == pytest.approx(1.0)
 
 
 def test_wrong_category_scores_zero_and_no_detections_is_zero():
-    results = evaluation.detections_to_coco(_outputs_for(GROUND_TRUTH, scale=1.0), (11, 3))
-    assert evaluation.coco_metrics(GROUND_TRUTH, results)["AP"] == pytest.approx(0.0)
-    assert evaluation.coco_metrics(GROUND_TRUTH, [])["AP"] == 0.0
+    results = coco_evaluation.detections_to_coco(_outputs_for(GROUND_TRUTH, scale=1.0), (11, 3))
+    assert coco_evaluation.coco_metrics(GROUND_TRUTH, results)["AP"] == pytest.approx(0.0)
+    assert coco_evaluation.coco_metrics(GROUND_TRUTH, [])["AP"] == 0.0
 
 
 def test_boxes_are_clipped_to_the_original_image():
     out = _outputs_for(GROUND_TRUTH, scale=1.0, pad_example=False)
     out["boxes"][1, 0] = [-5.0, -5.0, 80.0, 80.0]  # image 9 is 50x50
-    results = evaluation.detections_to_coco(out, LABEL_TO_CATEGORY)
+    results = coco_evaluation.detections_to_coco(out, LABEL_TO_CATEGORY)
     box = [r for r in results if r["image_id"] == 9][0]["bbox"]
     np.testing.assert_allclose(box, [0.0, 0.0, 50.0, 50.0])

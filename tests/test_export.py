@@ -19,9 +19,10 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from detector import exporting, inference
+from detector.serving import artifact
+from detector.serving import predictor as predictor_lib
 from detector.errors import ConfigError
-from detector.inference import load_predictor
+from detector.serving.predictor import load_predictor
 from input_pipeline import transforms
 from test_train import compilation_cache_dir, data_dir, reference_run  # noqa: F401  (shared module fixtures)
 from tiny_config import as_flags, make_config
@@ -36,9 +37,9 @@ LOAD_AND_PREDICT = """
 import sys
 import numpy as np
 from PIL import Image
-from detector import exporting
+from detector.serving import artifact
 directory, output, *paths = sys.argv[1:]
-detector = exporting.load_artifact(directory)
+detector = artifact.load_artifact(directory)
 results = detector.predict([np.asarray(Image.open(path).convert("RGB")) for path in paths])
 np.savez(output, **{f"{key}_{i}": value for i, result in enumerate(results) for key, value in result.items()})
 """
@@ -50,10 +51,10 @@ def subprocess_env():
 
 
 def expected_detections(predictor, images):
-    """The in-process predictor's detections per image, mapped to original pixels independently of exporting."""
+    """The in-process predictor's detections per image, mapped to original pixels independently of artifact."""
     opts = transforms.TransformOptions.from_config(predictor.config)
-    rows = [inference.network_input(image, i, opts) for i, image in enumerate(images)]
-    blank = inference.network_input(np.zeros((8, 8, 3), np.uint8), -1, opts)
+    rows = [predictor_lib.network_input(image, i, opts) for i, image in enumerate(images)]
+    blank = predictor_lib.network_input(np.zeros((8, 8, 3), np.uint8), -1, opts)
     blank["example_mask"] = np.False_
     rows += [blank] * (predictor.batch_size - len(rows))
     local_batch = {key: np.stack([row[key] for row in rows]) for key in blank}
@@ -75,11 +76,11 @@ def expected_detections(predictor, images):
 def test_exported_program_in_a_fresh_process_detects_what_the_predictor_does(reference_run, data_dir, tmp_path):
     config = make_config(data_dir, **EXPORT_OVERRIDES)
     predictor = load_predictor(config, str(reference_run.workdir), "last")
-    exported = exporting.export_predictor(predictor, batch_size=2)
+    exported = artifact.export_predictor(predictor, batch_size=2)
     assert set(exported.platforms) == {"cpu", "cuda"}
-    directory = exporting.write_artifact(exported, predictor, tmp_path / "artifact")
+    directory = artifact.write_artifact(exported, predictor, tmp_path / "artifact")
 
-    metadata = json.loads((directory / exporting.METADATA_FILE).read_text())
+    metadata = json.loads((directory / artifact.METADATA_FILE).read_text())
     assert metadata["batch_size"] == 2 and metadata["step"] == 4
     assert metadata["input"]["shape"] == [2, 64, 64, 3]
     assert metadata["input"]["mean_rgb"] == list(config.input.mean_rgb)
@@ -112,9 +113,9 @@ def test_exported_program_in_a_fresh_process_detects_what_the_predictor_does(ref
         assert np.all(got[f"boxes_yxyx_{i}"] <= [height, width, height, width])
 
     with pytest.raises(ConfigError, match="at least 1"):
-        exporting.export_predictor(predictor, batch_size=0)
+        artifact.export_predictor(predictor, batch_size=0)
     with pytest.raises(FileNotFoundError, match="does not exist"):
-        exporting.load_artifact(tmp_path / "nowhere")
+        artifact.load_artifact(tmp_path / "nowhere")
 
 
 def run_export_command(reference_run, data_dir, *extra):
@@ -128,8 +129,8 @@ def test_export_command_writes_the_artifact(reference_run, data_dir, tmp_path):
     result = run_export_command(reference_run, data_dir, "--checkpoint=best", f"--output={tmp_path}")
     assert result.returncode == 0, result.stderr[-3000:]
     assert f"exported step 4 (best) for batches of 1 on cpu/cuda to {tmp_path}" in result.stdout
-    assert (tmp_path / exporting.EXPORTED_FILE).stat().st_size > 0
-    metadata = json.loads((tmp_path / exporting.METADATA_FILE).read_text())
+    assert (tmp_path / artifact.EXPORTED_FILE).stat().st_size > 0
+    metadata = json.loads((tmp_path / artifact.METADATA_FILE).read_text())
     assert metadata["batch_size"] == 1 and metadata["step"] == 4
 
 
@@ -139,4 +140,4 @@ def test_export_command_reports_a_missing_checkpoint_in_one_line(reference_run, 
     last_line = result.stderr.strip().splitlines()[-1]
     assert last_line.startswith("error: ") and "--checkpoint=99" in last_line, result.stderr[-3000:]
     assert "Traceback" not in result.stderr
-    assert not (tmp_path / exporting.EXPORTED_FILE).exists()
+    assert not (tmp_path / artifact.EXPORTED_FILE).exists()

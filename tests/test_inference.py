@@ -23,8 +23,10 @@ from pycocotools.coco import COCO
 from pycocotools.cocoeval import COCOeval
 
 import input_pipeline
-from detector import evaluation, inference, visualize
-from detector.inference import load_predictor, predict_images
+from detector.serving import coco_evaluation
+from detector.serving import predictor as predictor_lib
+from detector.serving import drawing
+from detector.serving.predictor import load_predictor, predict_images
 from test_train import compilation_cache_dir, data_dir, reference_run  # noqa: F401  (shared module fixtures)
 from tiny_config import as_flags, make_config
 
@@ -37,7 +39,7 @@ def low_threshold_config(data_dir, threshold=0.001):
 
 def test_evaluate_prints_both_tables_and_scores_what_it_writes(reference_run, data_dir, tmp_path, capsys):
     config = low_threshold_config(data_dir)
-    report = inference.evaluate_workdir(config, str(reference_run.workdir), "last", str(tmp_path))
+    report = predictor_lib.evaluate_workdir(config, str(reference_run.workdir), "last", str(tmp_path))
     printed = capsys.readouterr().out
     assert report["step"] == 4 and report["images"] == config.dataset.num_eval_examples
     assert "AP50" in printed and "AR100" in printed
@@ -47,8 +49,8 @@ def test_evaluate_prints_both_tables_and_scores_what_it_writes(reference_run, da
         assert any(line.startswith(name) for line in printed.splitlines()), printed
 
     # pycocotools itself, on the written detections, gives the reported numbers.
-    detections = json.loads((tmp_path / inference.DETECTIONS_FILE).read_text())
-    assert detections and json.loads((tmp_path / inference.METRICS_FILE).read_text()) == report
+    detections = json.loads((tmp_path / predictor_lib.DETECTIONS_FILE).read_text())
+    assert detections and json.loads((tmp_path / predictor_lib.METRICS_FILE).read_text()) == report
     with contextlib.redirect_stdout(io.StringIO()):
         gt = COCO()
         gt.dataset = input_pipeline.coco_ground_truth(config)
@@ -57,7 +59,7 @@ def test_evaluate_prints_both_tables_and_scores_what_it_writes(reference_run, da
         coco_eval.evaluate()
         coco_eval.accumulate()
         coco_eval.summarize()
-    for name, value in zip(evaluation.COCO_METRIC_NAMES, coco_eval.stats):
+    for name, value in zip(coco_evaluation.COCO_METRIC_NAMES, coco_eval.stats):
         assert report["metrics"][name] == pytest.approx(value, abs=1e-12), name
     # Per class: pycocotools restricted to one category gives that class's AP.
     first = report["per_class"][0]
@@ -118,7 +120,7 @@ def test_predict_writes_coco_results_and_draws_the_boxes(reference_run, data_dir
     # The left and bottom edges (label tags sit at the top and may cover other boxes' edges).
     edges = np.concatenate([picture[top:bottom + 1, left], picture[bottom, left:right + 1]])
     assert edges.shape[0] > 2
-    matches = np.all(edges == visualize.class_color(label), axis=-1)
+    matches = np.all(edges == drawing.class_color(label), axis=-1)
     assert matches.mean() > 0.5, (best, edges)
 
 

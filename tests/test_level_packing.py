@@ -9,8 +9,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from detector import level_packing
-from detector.retinanet import RetinaNetHead
+from detector.models import level_packing
+from detector.models.retinanet import RetinaNetHead
 
 
 def pyramid_shapes(height: int, width: int, min_level: int = 3, max_level: int = 7) -> dict[int, tuple[int, int]]:

@@ -8,8 +8,8 @@ import numpy as np
 import optax
 import pytest
 
-from detector import anchors as anchors_lib
-from detector import losses
+from detector.ops import anchors as anchors_lib
+from detector.ops import losses
 
 NUM_CLASSES = 3
 ANCHORS = jnp.asarray(anchors_lib.generate_anchors(32, 32, 3, 4, 1, (0.5, 1.0, 2.0), 4.0))

@@ -1,7 +1,7 @@
 """Model parallelism shards what it promises and moves what it should; the planner finds what fits.
 
 Per-device bytes come from XLA's own `memory_analysis()` of the compiled train
-step and collectives from its optimized HLO, through `sharding.plan`, the
+step and collectives from its optimized HLO, through `detector.plan`, the
 same code the plan CLI and the trainer use.
 """
 
@@ -13,9 +13,9 @@ import math
 import re
 import subprocess
 import sys
+from pathlib import Path
 
 import flax
-import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -24,13 +24,16 @@ import pytest
 
 import sharding
 from configs import vitdet_tiny
-from detector import steps
-from detector.retinanet import create_model
-from detector.train_state import state_shardings
-from detector.vit import ViT
-from sharding import plan as plan_lib
+from detector.training import steps
+from detector.models.retinanet import create_model
+from detector.training.train_state import state_shardings
+from detector.models.vit import ViT
+from detector.training.planning import plan_train_step
+from sharding import step_plan
 from sharding.collectives import parse_collectives
 from sharded_training import NUM_CLASSES, spatial_config
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
 
 def tensor_parallel_vit_config():
     """A tiny ViT detector whose large dimensions all divide 8.
@@ -48,7 +51,7 @@ def tensor_parallel_vit_config():
 
 def plan_on(config, shape):
     devices = jax.devices()[:math.prod(shape)]
-    return plan_lib.plan_train_step(plan_lib.with_mesh_shape(config, shape), devices)
+    return plan_train_step(step_plan.with_mesh_shape(config, shape), devices)
 
 
 @pytest.fixture(scope="module")
@@ -124,7 +127,7 @@ def _compiled_backbone_forward(config, mesh_shape):
     rules = sharding.logical_rules(config.sharding)
     images = jax.ShapeDtypeStruct((config.global_batch_size, *config.input.image_size, 3), jnp.float32,
                                   sharding=sharding.batch_sharding(mesh, sharding.batch_axes(mesh)))
-    with jax.set_mesh(mesh), nn.logical_axis_rules(rules):
+    with sharding.use_mesh(mesh, rules):
         # The same shardings the trainer gives parameters; the optimizer is irrelevant here.
         abstract_state, _ = state_shardings(backbone, optax.sgd(0.1), tuple(config.input.image_size), mesh, rules)
         forward = jax.jit(lambda params, x: backbone.apply({"params": params}, x)[4])
@@ -207,12 +210,12 @@ def test_spatial_partitioning_splits_conv_activations_over_model():
 
 
 def test_candidate_meshes_try_least_model_parallelism_first():
-    candidates = plan_lib.candidate_meshes(64, 64, max_model=8)
+    candidates = step_plan.candidate_meshes(64, 64, max_model=8)
     assert candidates[0] == (64, 1, 1)
     assert candidates[1:3] == [(32, 2, 1), (32, 1, 2)]
     assert all(d * f * m == 64 and m <= 8 for d, f, m in candidates)
     # The batch must divide over data x fsdp: 4 images on 8 devices leave fsdp x model >= 2.
-    assert all(d * f <= 4 for d, f, _ in plan_lib.candidate_meshes(8, 4))
+    assert all(d * f <= 4 for d, f, _ in step_plan.candidate_meshes(8, 4))
 
 
 def test_search_names_the_smallest_split_that_fits(vit_plans):
@@ -220,20 +223,20 @@ def test_search_names_the_smallest_split_that_fits(vit_plans):
     data_parallel = vit_plans((8, 1, 1))
     limit = data_parallel.total_bytes - 1  # data parallelism alone just misses
     tried = [data_parallel]  # already compiled: reused, not compiled again
-    fitting = plan_lib.search_fitting_mesh(config, limit, tried=tried)
+    fitting = step_plan.search_fitting_mesh(config, limit, plan_train_step, tried=tried)
     assert fitting is not None and fitting.fits(limit)
     assert fitting.mesh_shape["fsdp"] * fitting.mesh_shape["model"] == 2
     assert tried[0] is data_parallel and tried[1] is fitting and len(tried) == 2
-    table = plan_lib.format_table(tried, limit)
+    table = step_plan.format_table(tried, limit)
     assert "| (8, 1, 1) |" in table and "| no |" in table and "| yes |" in table
 
 
 def test_plan_cli_prints_the_table_and_writes_json(tmp_path):
     out = tmp_path / "plan.json"
     result = subprocess.run(
-        [sys.executable, "-m", "sharding.plan", "--config=configs/vitdet_tiny.py", "--devices=2",
+        [sys.executable, "-m", "detector.plan", "--config=configs/vitdet_tiny.py", "--devices=2",
          "--config.global_batch_size=2", "--device_memory_gb=80", f"--json={out}"],
-        capture_output=True, text=True, timeout=600, cwd=plan_lib.__file__.rsplit("/sharding/", 1)[0])
+        capture_output=True, text=True, timeout=600, cwd=REPO_ROOT)
     assert result.returncode == 0, result.stderr[-3000:]
     assert "| (2, 1, 1) | 1 |" in result.stdout, result.stdout
     assert "fits in 80 GB" in result.stdout
@@ -251,8 +254,8 @@ def test_plan_cli_prints_the_table_and_writes_json(tmp_path):
 ])
 def test_plan_cli_rejects_bad_input_in_one_line(flag, message):
     result = subprocess.run(
-        [sys.executable, "-m", "sharding.plan", "--config=configs/vitdet_tiny.py", "--devices=8", flag],
-        capture_output=True, text=True, timeout=300, cwd=plan_lib.__file__.rsplit("/sharding/", 1)[0])
+        [sys.executable, "-m", "detector.plan", "--config=configs/vitdet_tiny.py", "--devices=8", flag],
+        capture_output=True, text=True, timeout=300, cwd=REPO_ROOT)
     assert result.returncode != 0
     errors = [line for line in result.stderr.splitlines() if line.startswith("error:")]
     assert len(errors) == 1 and message in errors[0], result.stderr[-2000:]

@@ -3,7 +3,7 @@ import numpy as np
 import pytest
 
 from configs import default, retinanet_r50_coco
-from detector import optim
+from detector.training import optim
 from detector.errors import ConfigError
 
 

@@ -1,4 +1,3 @@
-import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import pytest
@@ -6,9 +5,10 @@ from jax.sharding import PartitionSpec as P
 
 import sharding
 from configs import default
-from detector import optim, steps
-from detector.retinanet import create_model
-from detector.train_state import describe_param_shardings, init_train_state, state_shardings
+from detector.training import optim
+from detector.training import steps
+from detector.models.retinanet import create_model
+from detector.training.train_state import describe_param_shardings, init_train_state, state_shardings
 
 
 def test_logical_rules_reject_unknown_mesh_axis():
@@ -36,7 +36,7 @@ def _sharded_state(mesh_config, rules=None):
     rules = rules or sharding.logical_rules(config.sharding)
     model = create_model(config.model, 4, steps.num_anchors_per_location(config))
     tx, _ = optim.create_optimizer(config.optimizer, 10)
-    with jax.set_mesh(mesh), nn.logical_axis_rules(rules):
+    with sharding.use_mesh(mesh, rules):
         _, shardings = state_shardings(model, tx, (64, 64), mesh, rules)
         state = init_train_state(model, tx, (64, 64), shardings, jax.random.key(0))
     return state

@@ -8,7 +8,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from detector import postprocess
+from detector.ops import postprocess
 
 
 def _random_boxes_and_scores(rng, n, extent, clustered=False):

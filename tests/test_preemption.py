@@ -5,7 +5,7 @@ import signal
 
 import pytest
 
-from detector.preemption import PreemptionWatch
+from detector.training.preemption import PreemptionWatch
 
 
 @pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT])

@@ -26,11 +26,14 @@ from flax import traverse_util
 from jax import lax
 
 from configs import default, retinanet_r50_coco
-from detector import cli, optim, pretrained, steps
-from detector.backbone import ResNet, frozen_parameter_mask
+from detector import cli
+from detector.training import optim
+from detector.models import weight_import
+from detector.training import steps
+from detector.models.resnet import ResNet, frozen_parameter_mask
 from detector.errors import ConfigError, WeightsFileError
-from detector.retinanet import create_model
-from detector.train_state import TrainState
+from detector.models.retinanet import create_model
+from detector.training.train_state import TrainState
 from benchmarks.synthetic import random_batch
 
 REPO_ROOT = pathlib.Path(__file__).resolve().parent.parent
@@ -144,7 +147,7 @@ def random_images(size, batch=2, seed=1):
 ], ids=["bottleneck", "bottleneck_odd_size", "basic"])
 def test_converted_backbone_matches_reference_forward(bottleneck, stage_sizes, size):
     state = torchvision_state_dict(stage_sizes, bottleneck=bottleneck)
-    params = pretrained.convert_torchvision_resnet(state, stage_sizes)
+    params = weight_import.convert_torchvision_resnet(state, stage_sizes)
     images = random_images(size)
     model = ResNet(stage_sizes, 8, "bottleneck" if bottleneck else "basic", norm="frozen_bn")
     ours = jax.jit(model.apply)({"params": params}, images.transpose(0, 2, 3, 1))
@@ -160,7 +163,7 @@ def test_resnet50_layout_converts_and_loads_into_the_model(tmp_path):
     config.model.backbone.norm = "frozen_bn"
     model = create_model(config.model, 80, steps.num_anchors_per_location(config))
     abstract = jax.eval_shape(model.init, jax.random.key(0), jnp.zeros((1, 128, 128, 3)))["params"]
-    loaded = pretrained.load_backbone_params(abstract, path)
+    loaded = weight_import.load_backbone_params(abstract, path)
 
     assert loaded["neck"] is abstract["neck"] and loaded["head"] is abstract["head"]
     model_leaves = traverse_util.flatten_dict(abstract["backbone"], sep="/")
@@ -221,7 +224,7 @@ def test_matches_torchvision_resnet50(tmp_path):
     arrays = np.load(tmp_path / "torchvision.npz")
     state = {name[len("state."):]: arrays[name] for name in arrays.files if name.startswith("state.")}
     expected = {level: arrays[f"level{level}"] for level in range(2, 6)}
-    params = pretrained.convert_torchvision_resnet(state)
+    params = weight_import.convert_torchvision_resnet(state)
     ours = ResNet((3, 4, 6, 3), 64, "bottleneck", norm="frozen_bn").apply({"params": params},
                                                                           images.transpose(0, 2, 3, 1))
     assert_features_match(ours, expected)
@@ -231,7 +234,7 @@ def test_missing_tensor_is_named():
     state = torchvision_state_dict()
     del state["layer1.0.bn2.running_var"]
     with pytest.raises(WeightsFileError, match=r"1 missing \(layer1\.0\.bn2\.running_var\)") as error:
-        pretrained.convert_torchvision_resnet(state, (1, 1, 1, 1))
+        weight_import.convert_torchvision_resnet(state, (1, 1, 1, 1))
     assert "unexpected" not in str(error.value)
 
 
@@ -239,12 +242,12 @@ def test_unexpected_tensors_are_named_and_counted():
     state = torchvision_state_dict()
     state["layer1.0.se.weight"] = np.zeros(3, np.float32)
     with pytest.raises(WeightsFileError, match=r"1 unexpected \(layer1\.0\.se\.weight\)") as error:
-        pretrained.convert_torchvision_resnet(state, (1, 1, 1, 1))
+        weight_import.convert_torchvision_resnet(state, (1, 1, 1, 1))
     # The classifier and BatchNorm counters are skipped, not reported.
     assert "fc." not in str(error.value) and "num_batches_tracked" not in str(error.value)
 
     with pytest.raises(WeightsFileError, match=r"30 missing \(layer1\.1\.bn1\.bias, .* and 25 more\)"):
-        pretrained.convert_torchvision_resnet(torchvision_state_dict(), (3, 1, 1, 1))
+        weight_import.convert_torchvision_resnet(torchvision_state_dict(), (3, 1, 1, 1))
 
 
 def test_shape_mismatch_names_the_tensor_and_both_shapes():
@@ -252,7 +255,7 @@ def test_shape_mismatch_names_the_tensor_and_both_shapes():
     state["layer2.0.conv2.weight"] = np.zeros((16, 16, 1, 1), np.float32)
     with pytest.raises(WeightsFileError, match=r"layer2\.0\.conv2\.weight has shape \(16, 16, 1, 1\); "
                                                r"this ResNet needs \(16, 16, 3, 3\)"):
-        pretrained.convert_torchvision_resnet(state, (1, 1, 1, 1))
+        weight_import.convert_torchvision_resnet(state, (1, 1, 1, 1))
 
 
 def test_unknown_suffix_missing_file_and_missing_readers(tmp_path, monkeypatch):
@@ -260,19 +263,19 @@ def test_unknown_suffix_missing_file_and_missing_readers(tmp_path, monkeypatch):
     unknown.write_bytes(b"")
     with pytest.raises(WeightsFileError, match=r"weights\.bin: unknown weights file type '\.bin'; "
                                                r"use one of \.npz, \.safetensors, \.pth, \.pt"):
-        pretrained.read_state_dict(unknown)
+        weight_import.read_state_dict(unknown)
     with pytest.raises(FileNotFoundError, match="no_such_weights.npz"):
-        pretrained.read_state_dict(tmp_path / "no_such_weights.npz")
+        weight_import.read_state_dict(tmp_path / "no_such_weights.npz")
     for name in ("weights.pth", "weights.safetensors"):
         (tmp_path / name).write_bytes(b"")
     # None in sys.modules makes the import fail, whether or not the package is installed.
     monkeypatch.setitem(sys.modules, "torch", None)
     with pytest.raises(WeightsFileError, match=r"needs torch \(pip install torch\).*\.npz or \.safetensors"):
-        pretrained.read_state_dict(tmp_path / "weights.pth")
+        weight_import.read_state_dict(tmp_path / "weights.pth")
     monkeypatch.setitem(sys.modules, "safetensors", None)
     monkeypatch.setitem(sys.modules, "safetensors.numpy", None)
     with pytest.raises(WeightsFileError, match=r"needs the safetensors package \(pip install safetensors"):
-        pretrained.read_state_dict(tmp_path / "weights.safetensors")
+        weight_import.read_state_dict(tmp_path / "weights.safetensors")
     assert WeightsFileError in cli.USER_ERRORS  # reported by the CLIs as one line
 
 
@@ -280,7 +283,7 @@ def test_safetensors_file_reads_like_npz(tmp_path):
     safetensors_numpy = pytest.importorskip("safetensors.numpy")
     state = {k: v for k, v in torchvision_state_dict().items() if v.ndim}
     safetensors_numpy.save_file(state, str(tmp_path / "weights.safetensors"))
-    loaded = pretrained.read_state_dict(tmp_path / "weights.safetensors")
+    loaded = weight_import.read_state_dict(tmp_path / "weights.safetensors")
     assert set(loaded) == set(state)
     np.testing.assert_array_equal(loaded["layer1.0.conv2.weight"], state["layer1.0.conv2.weight"])
 
@@ -313,7 +316,7 @@ def test_cli_converts_to_npz_that_loads_into_the_model(tmp_path):
     with np.load(output) as npz:
         assert "stage1_block1/FrozenBatchNorm_3/scale" in npz.files and "stem_conv/kernel" in npz.files
 
-    loaded = pretrained.load_backbone_params(params, output)
+    loaded = weight_import.load_backbone_params(params, output)
     assert loaded["head"] is params["head"]
     kernel = loaded["backbone"]["stage2_block1"]["Conv_1"]["kernel"]
     assert isinstance(kernel, jax.Array)
@@ -328,23 +331,23 @@ def test_loading_checks_the_model(tmp_path):
     params = {"backbone": jax.eval_shape(group_norm_model.init, jax.random.key(0), jnp.zeros((1, 32, 32, 3)))["params"]}
     with pytest.raises(WeightsFileError, match=r"missing \(.*GroupNorm.*unexpected \(.*FrozenBatchNorm"
                                                r".*config\.model\.backbone\.norm='frozen_bn'"):
-        pretrained.load_backbone_params(params, tmp_path / "torchvision.npz")
+        weight_import.load_backbone_params(params, tmp_path / "torchvision.npz")
 
     deeper = ResNet((2, 1, 1, 1), 8, norm="frozen_bn")
     params = {"backbone": jax.eval_shape(deeper.init, jax.random.key(0), jnp.zeros((1, 32, 32, 3)))["params"]}
     with pytest.raises(WeightsFileError, match=r"torchvision\.npz: .*stage sizes \(2, 1, 1, 1\).*missing "
                                                r"\(layer1\.1\.bn1\.bias"):
-        pretrained.load_backbone_params(params, tmp_path / "torchvision.npz")
+        weight_import.load_backbone_params(params, tmp_path / "torchvision.npz")
 
-    ours = pretrained.flatten_backbone_params(
-        pretrained.convert_torchvision_resnet(torchvision_state_dict((1, 1, 1, 1)), (1, 1, 1, 1)))
+    ours = weight_import.flatten_backbone_params(
+        weight_import.convert_torchvision_resnet(torchvision_state_dict((1, 1, 1, 1)), (1, 1, 1, 1)))
     ours["stage3_block1/FrozenBatchNorm_2/scale"] = np.ones(7, np.float32)
     np.savez(tmp_path / "ours.npz", **ours)
     model = ResNet((1, 1, 1, 1), 8, norm="frozen_bn")
     params = {"backbone": jax.eval_shape(model.init, jax.random.key(0), jnp.zeros((1, 32, 32, 3)))["params"]}
     with pytest.raises(WeightsFileError, match=r"ours\.npz: tensor stage3_block1/FrozenBatchNorm_2/scale has "
                                                r"shape \(7,\); the model's is \(128,\)"):
-        pretrained.load_backbone_params(params, tmp_path / "ours.npz")
+        weight_import.load_backbone_params(params, tmp_path / "ours.npz")
 
 
 def test_group_norm_keeps_its_parameter_names():

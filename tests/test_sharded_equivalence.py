@@ -12,8 +12,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from configs import vitdet_tiny
-from detector import steps
-from detector.retinanet import create_model
+from detector.training import steps
+from detector.models.retinanet import create_model
 from sharded_training import NUM_CLASSES, assert_same_training, spatial_config, train_on_mesh
 
 

@@ -17,7 +17,6 @@ import shutil
 import types
 
 import flax
-import flax.linen as nn
 import orbax.checkpoint as ocp
 import jax
 import numpy as np
@@ -27,10 +26,13 @@ from jax.experimental.compilation_cache import compilation_cache
 
 import input_pipeline
 import sharding
-from detector import checkpointing, optim, steps, train
+from detector.training import checkpointing
+from detector.training import optim
+from detector.training import steps
+from detector.training import trainer
 from detector.errors import TrainingError
-from detector.retinanet import create_model
-from detector.train_state import describe_param_shardings, state_shardings
+from detector.models.retinanet import create_model
+from detector.training.train_state import describe_param_shardings, state_shardings
 from sharded_training import abstract_state_on_mesh, assert_same_training, train_on_mesh
 from tiny_config import make_config
 
@@ -118,7 +120,7 @@ def reference_run(tmp_path_factory, data_dir):
     config = make_config(data_dir)
 
     def produce(workdir):
-        metrics = train.train_and_evaluate(config, str(workdir))
+        metrics = trainer.train_and_evaluate(config, str(workdir))
         (workdir / "returned_metrics.json").write_text(json.dumps(metrics))
 
     workdir = once_per_run(tmp_path_factory, "reference_run", produce)
@@ -221,12 +223,12 @@ def test_interrupted_run_resumes_exactly(reference_run, tmp_path, monkeypatch):
 
     monkeypatch.setattr(input_pipeline, "create_train_iterator", create_train_iterator)
     with pytest.raises(Preempted):
-        train.train_and_evaluate(config, str(tmp_path))
+        trainer.train_and_evaluate(config, str(tmp_path))
     assert checkpoint_steps(tmp_path) == [2]  # the in-flight async save completed on the way out
     assert [line["step"] for line in read_jsonl(tmp_path / "train_metrics.jsonl")] == [2]
     assert not (tmp_path / "eval_metrics.jsonl").exists()
 
-    metrics = train.train_and_evaluate(config, str(tmp_path))
+    metrics = trainer.train_and_evaluate(config, str(tmp_path))
     # The second run asked the input pipeline for the stream after the 2 x 8 consumed examples.
     assert start_positions == [0, 2 * config.global_batch_size]
     assert checkpoint_steps(tmp_path) == [2, 4]
@@ -275,7 +277,7 @@ def _optimizer_counters(state):
 def test_a_nonfinite_step_is_skipped_and_training_continues(reference_run, tmp_path, monkeypatch):
     config = reference_run.config
     _poison_steps(monkeypatch, {3})
-    metrics = train.train_and_evaluate(config, str(tmp_path))
+    metrics = trainer.train_and_evaluate(config, str(tmp_path))
     lines = read_jsonl(tmp_path / "train_metrics.jsonl")
     assert [line["skipped_steps"] for line in lines] == [0, 1]
     assert all(math.isfinite(line["loss"]) for line in lines)  # averaged over the steps that updated
@@ -290,7 +292,7 @@ def test_repeated_nonfinite_steps_stop_and_keep_the_last_good_checkpoint(referen
     config = make_config(reference_run.config.dataset.data_dir, max_consecutive_nonfinite=2)
     _poison_steps(monkeypatch, {3, 4})
     with pytest.raises(TrainingError, match=r"2 consecutive steps \(3-4\) had a non-finite loss"):
-        train.train_and_evaluate(config, str(tmp_path))
+        trainer.train_and_evaluate(config, str(tmp_path))
     assert checkpoint_steps(tmp_path) == [2]  # nothing saved after the bad steps
     state, _, _ = restore_latest(tmp_path, config)
     reference, _, _ = restore_latest(reference_run.workdir, config)
@@ -332,7 +334,7 @@ def test_parameters_are_partitioned_on_a_2x2x2_mesh(data_dir):
     model = create_model(config.model, input_pipeline.get_dataset_info(config).num_classes,
                          steps.num_anchors_per_location(config))
     tx, _ = optim.create_optimizer(config.optimizer, config.total_steps)
-    with jax.set_mesh(mesh), nn.logical_axis_rules(rules):
+    with sharding.use_mesh(mesh, rules):
         abstract_state, _ = state_shardings(model, tx, tuple(config.input.image_size), mesh, rules)
     specs = describe_param_shardings(abstract_state.params)
     kernels = _kernel_specs(specs)

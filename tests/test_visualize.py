@@ -3,8 +3,8 @@
 import numpy as np
 from PIL import Image
 
-from detector import visualize
-from detector.visualize import PALETTE, class_color, draw_detections, save_png, side_by_side
+from detector.serving import drawing
+from detector.serving.drawing import PALETTE, class_color, draw_detections, save_png, side_by_side
 
 HEIGHT, WIDTH = 48, 64
 BLACK = np.zeros((HEIGHT, WIDTH, 3), np.uint8)
@@ -151,10 +151,10 @@ def test_prediction_panels_undo_normalization_and_show_predictions_beside_ground
         "classes": np.array([[2, 3], [0, 0]], np.int32),
         "valid": np.array([[True, True], [True, True]]),
     }
-    panels = visualize.prediction_panels(batch, outputs, mean_rgb=mean, std_rgb=std, score_threshold=0.3)
+    panels = drawing.prediction_panels(batch, outputs, mean_rgb=mean, std_rgb=std, score_threshold=0.3)
     assert panels.shape == (1, 30, 40 * 2 + 4, 3)  # one real example, cropped to its 30 x 40 pixels
     left, right = panels[0, :, :40], panels[0, :, 44:]
-    assert tuple(left[15, 10]) == visualize.class_color(2)  # the prediction's left edge
-    assert visualize.class_color(3) not in {tuple(p) for p in left.reshape(-1, 3)}  # below the threshold
-    assert tuple(right[12, 4]) == visualize.class_color(1)  # the ground truth's left edge
+    assert tuple(left[15, 10]) == drawing.class_color(2)  # the prediction's left edge
+    assert drawing.class_color(3) not in {tuple(p) for p in left.reshape(-1, 3)}  # below the threshold
+    assert tuple(right[12, 4]) == drawing.class_color(1)  # the ground truth's left edge
     assert tuple(right[25, 30]) == (0, 0, 0)  # denormalized background

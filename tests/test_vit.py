@@ -8,7 +8,8 @@ import numpy as np
 import pytest
 
 from detector.errors import ConfigError
-from detector.vit import Block, SimpleFeaturePyramid, ViT, _window_partition, _window_unpartition
+from detector.models.necks import SimpleFeaturePyramid
+from detector.models.vit import Block, ViT, _window_partition, _window_unpartition
 
 
 def tiny_vit(**overrides) -> ViT:

@@ -8,8 +8,8 @@ import jax
 import jax.numpy as jnp
 
 from detector.errors import ConfigError
-from detector import anchors as anchors_lib
-from detector import box_ops
+from detector.ops import anchors as anchors_lib
+from detector.ops import box_ops
 
 
 def sigmoid_focal_loss(logits, targets, alpha: float = 0.25,

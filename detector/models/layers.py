@@ -15,7 +15,7 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
-from detector import convolution
+from detector.models import convolution
 from detector.errors import ConfigError
 
 KERNEL_AXES = ("kernel_h", "kernel_w", "conv_in", "conv_out")

@@ -32,9 +32,9 @@ import jax
 import numpy as np
 from flax import traverse_util
 
-from detector.backbone import STEM_NORM_NAME
+from detector.models.resnet import STEM_NORM_NAME
 from detector.errors import WeightsFileError
-from detector.layers import FrozenBatchNorm
+from detector.models.layers import FrozenBatchNorm
 
 # torch.nn.BatchNorm2d's default, which torchvision's ResNets keep.
 BATCH_NORM_EPS = 1e-5

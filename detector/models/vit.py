@@ -1,4 +1,4 @@
-"""Plain ViT backbone and simple feature pyramid for detection (ViTDet, Li et al. 2022).
+"""Plain ViT backbone for detection (ViTDet, Li et al. 2022); its simple feature pyramid is in `necks`.
 
 The backbone is a non-hierarchical ViT at patch 16: most blocks attend
 within non-overlapping windows, every `global_attention_every`-th block
@@ -26,8 +26,7 @@ import jax
 import jax.numpy as jnp
 
 from detector.errors import ConfigError
-from detector.fpn import PyramidNeck, add_extra_levels
-from detector.layers import constrain_activation, conv, group_norm, rematerialized
+from detector.models.layers import conv, rematerialized
 
 TOKEN_GRID_AXES = ("batch", "height", "width", "act_embed")
 HEAD_AXES = ("batch", "tokens", "act_heads", "kv")
@@ -251,46 +250,3 @@ class ViT(nn.Module):
             for i in range(num_stages):
                 x, _ = Stage(**stage_kwargs, name=f"stage{i}")(x, None)
         return {4: _layer_norm(self.dtype, "norm")(x)}
-
-
-class SimpleFeaturePyramid(PyramidNeck):
-    """P{min_level}..P{max_level} from one stride-16 map (ViTDet's simple pyramid).
-
-    Levels below 4 come from 2x2 stride-2 transposed convolutions, level 4 is
-    the map itself, level 5 a 2x2 max-pool; each then gets a 1x1 and a 3x3
-    convolution with channel LayerNorm. Levels above 5 are stride-2 convs on
-    P5, as in RetinaNet's FPN.
-
-    Returns:
-      dict {level: [B, H/2**level, W/2**level, features]}.
-    """
-
-    @nn.compact
-    def __call__(self, backbone_features: dict[int, jax.Array]) -> dict[int, jax.Array]:
-        top_level = max(backbone_features)
-        x = backbone_features[top_level]
-        if self.min_level < top_level - 2:
-            raise ConfigError(f"model.anchors.min_level={self.min_level}; the simple feature pyramid "
-                              f"builds levels {top_level - 2} and up")
-        pyramid = {}
-        for level in range(self.min_level, min(self.max_level, top_level + 1) + 1):
-            y = x
-            for i in range(top_level - level):  # upsample by 2 per step
-                if i:
-                    y = nn.gelu(group_norm(y.shape[-1], num_groups=1, dtype=self.dtype,
-                                           name=f"p{level}_up_norm{i}")(y), approximate=False)
-                y = nn.ConvTranspose(
-                    y.shape[-1] // 2, (2, 2), strides=(2, 2), padding="VALID", dtype=self.dtype,
-                    param_dtype=jnp.float32,
-                    kernel_init=nn.with_logical_partitioning(nn.initializers.lecun_normal(),
-                                                             ("kernel_h", "kernel_w", "conv_in", "conv_out")),
-                    bias_init=nn.with_logical_partitioning(nn.initializers.zeros, ("conv_out",)),
-                    name=f"p{level}_up{i}")(y)
-            if level > top_level:
-                y = nn.max_pool(y, (2, 2), strides=(2, 2), padding="SAME")
-            y = conv(self.features, 1, use_bias=False, dtype=self.dtype, name=f"p{level}_lateral")(y)
-            y = group_norm(self.features, num_groups=1, dtype=self.dtype, name=f"p{level}_lateral_norm")(y)
-            y = conv(self.features, 3, use_bias=False, dtype=self.dtype, name=f"p{level}_output")(y)
-            y = group_norm(self.features, num_groups=1, dtype=self.dtype, name=f"p{level}_output_norm")(y)
-            pyramid[level] = constrain_activation(y)
-        return add_extra_levels(pyramid, self.features, self.max_level, self.dtype)

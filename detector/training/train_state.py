@@ -43,7 +43,7 @@ def params_shardings(model: nn.Module, image_size: tuple[int, int], mesh: Mesh, 
     """(abstract parameters, their NamedShardings) on `mesh`, without allocating anything.
 
     What inference needs (no optimizer state). Must run inside
-    `jax.set_mesh(mesh)` and `nn.logical_axis_rules(rules)`.
+    `sharding.use_mesh(mesh, rules)`.
     """
     boxed = jax.eval_shape(lambda r: _init_params(model, image_size, r), jax.random.key(0))
     abstract_params = _strip_axis_metadata(boxed)
@@ -59,7 +59,7 @@ def state_shardings(model: nn.Module, tx: optax.GradientTransformation, image_si
 
     `abstract_state` holds `jax.ShapeDtypeStruct`s carrying their sharding, the
     form Orbax needs to restore a checkpoint onto this mesh.
-    Must run inside `jax.set_mesh(mesh)` and `nn.logical_axis_rules(rules)`.
+    Must run inside `sharding.use_mesh(mesh, rules)`.
     """
     abstract_params, param_shardings = params_shardings(model, image_size, mesh, rules)
     abstract_opt_state = jax.eval_shape(tx.init, abstract_params)

@@ -18,9 +18,11 @@ import numpy as np
 import optax
 
 import sharding
-from detector import anchors as anchors_lib
-from detector import losses, optim, postprocess
-from detector.train_state import TrainState, state_shardings
+from detector.ops import anchors as anchors_lib
+from detector.ops import losses
+from detector.training import optim
+from detector.ops import postprocess
+from detector.training.train_state import TrainState, state_shardings
 
 
 def anchors_for_config(config) -> np.ndarray:
@@ -150,7 +152,7 @@ def compile_train_step(config: ml_collections.ConfigDict, model: nn.Module, tx, 
                        mesh: jax.sharding.Mesh, rules) -> tuple[Any, TrainState, TrainState]:
     """Compiles `train_step` ahead of time with explicit shardings and a donated state.
 
-    Must run inside `jax.set_mesh(mesh)` and `nn.logical_axis_rules(rules)`.
+    Must run inside `sharding.use_mesh(mesh, rules)`.
     Returns (compiled step `(state, global_batch) -> (state, metrics)`,
     abstract state carrying its shardings, state shardings).
     """
@@ -173,7 +175,7 @@ def compile_predict_step(config: ml_collections.ConfigDict, model: nn.Module, *,
                          param_shardings: Any, mesh: jax.sharding.Mesh, batch_size: int) -> Any:
     """Compiles `predict_step` for global batches of `batch_size`, sharded like training.
 
-    Must run inside `jax.set_mesh(mesh)` and `nn.logical_axis_rules(rules)`.
+    Must run inside `sharding.use_mesh(mesh, rules)`.
     Returns the compiled `(params, global_batch) -> outputs` (see `predict_step`).
     """
     batch_sharding = sharding.batch_sharding(mesh, sharding.batch_axes(mesh))

@@ -28,9 +28,12 @@ import input_pipeline
 import sharding
 from input_pipeline import transforms
 from input_pipeline.progress import track
-from detector import checkpointing, evaluation, steps, visualize
-from detector.retinanet import create_model
-from detector.train_state import params_shardings
+from detector.training import checkpointing
+from detector.serving import coco_evaluation
+from detector.training import steps
+from detector.serving import drawing
+from detector.models.retinanet import create_model
+from detector.training.train_state import params_shardings
 
 
 @dataclasses.dataclass(frozen=True)
@@ -84,7 +87,7 @@ def load_predictor(config: ml_collections.ConfigDict, workdir: str, checkpoint: 
     sharding.check_global_batch(batch_size, mesh)
     dataset_info = input_pipeline.get_dataset_info(config)
     model = create_model(config.model, dataset_info.num_classes, steps.num_anchors_per_location(config))
-    with jax.set_mesh(mesh), nn.logical_axis_rules(rules):
+    with sharding.use_mesh(mesh, rules):
         abstract_params, shardings = params_shardings(model, tuple(config.input.image_size), mesh, rules)
         params, step = checkpointing.restore_params(workdir, checkpoint, abstract_params)
         start = time.perf_counter()
@@ -112,7 +115,7 @@ def evaluate_workdir(config: ml_collections.ConfigDict, workdir: str, checkpoint
     start = time.perf_counter()
     eval_iter = input_pipeline.create_eval_iterator(predictor.config, first_row=predictor.first_row())
     batches = (predictor.global_batch(batch) for batch in eval_iter.batches)
-    predicted = evaluation.predict_all(predictor.predict, predictor.params,
+    predicted = coco_evaluation.predict_all(predictor.predict, predictor.params,
                                        track(batches, "eval", eval_iter.num_batches, unit="batches",
                                              log_every_s=10.0, enabled=jax.process_index() == 0),
                                        label_to_category_id=predictor.dataset_info.label_to_category_id)
@@ -120,7 +123,7 @@ def evaluate_workdir(config: ml_collections.ConfigDict, workdir: str, checkpoint
         return None
     results, image_ids = predicted
     ground_truth = input_pipeline.coco_ground_truth(config)
-    scored = evaluation.coco_evaluation(ground_truth, results, image_ids)
+    scored = coco_evaluation.coco_evaluation(ground_truth, results, image_ids)
     names = {int(c["id"]): str(c.get("name", c["id"])) for c in ground_truth.get("categories", [])}
     report = {
         "workdir": str(workdir), "checkpoint": str(checkpoint), "step": predictor.step,
@@ -142,8 +145,8 @@ def evaluate_workdir(config: ml_collections.ConfigDict, workdir: str, checkpoint
 def format_report(report: dict[str, Any]) -> str:
     """The COCO table and the per-class table of a metrics.json report, as text."""
     metrics = report["metrics"]
-    coco = evaluation.format_table(["metric", "value"], [(name, metrics[name]) for name in evaluation.COCO_METRIC_NAMES])
-    per_class = evaluation.format_table(
+    coco = coco_evaluation.format_table(["metric", "value"], [(name, metrics[name]) for name in coco_evaluation.COCO_METRIC_NAMES])
+    per_class = coco_evaluation.format_table(
         ["class", "AP", "AP50", "AP75", "instances"],
         [(c["name"], c["AP"], c["AP50"], c["AP75"], c["instances"]) for c in report["per_class"]])
     return (f"COCO bbox metrics of step {report['step']} ({report['checkpoint']}) on {report['images']} "
@@ -238,7 +241,7 @@ def predict_images(predictor: Predictor, inputs: Sequence[str], output: str) -> 
         outputs = multihost_utils.process_allgather(outputs, tiled=True)
         if not is_primary:
             continue
-        detections = evaluation.detections_to_coco(outputs, info.label_to_category_id)
+        detections = coco_evaluation.detections_to_coco(outputs, info.label_to_category_id)
         results.extend(detections)
         for image_id, (height, width) in zip(outputs["image_id"][outputs["example_mask"]],
                                              outputs["original_size"][outputs["example_mask"]]):
@@ -249,10 +252,10 @@ def predict_images(predictor: Predictor, inputs: Sequence[str], output: str) -> 
             boxes_yxyx = np.array([[y, x, y + h, x + w] for x, y, w, h in (d["bbox"] for d in mine)],
                                   np.float32).reshape(-1, 4)
             image = images[image_id] if image_id in images else read_image(paths[image_id])
-            picture = visualize.draw_detections(
+            picture = drawing.draw_detections(
                 image, boxes_yxyx, np.array([label_of_category[d["category_id"]] for d in mine], np.int32),
                 np.array([d["score"] for d in mine], np.float32), info.class_names)
-            visualize.save_png(picture, output_dir / pictures[image_id])
+            drawing.save_png(picture, output_dir / pictures[image_id])
     if not is_primary:
         return None
     output_dir.mkdir(parents=True, exist_ok=True)

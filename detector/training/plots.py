@@ -20,7 +20,7 @@ from etils import epath
 from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
 
-from detector.metric_writers import EVAL_METRICS_FILE, TRAIN_METRICS_FILE
+from detector.training.metric_writers import EVAL_METRICS_FILE, TRAIN_METRICS_FILE
 
 PLOTS_DIR = "plots"
 LOSS_PLOT_FILE = "loss.png"

@@ -16,7 +16,7 @@ from typing import Any
 import orbax.checkpoint as ocp
 from etils import epath
 
-from detector.train_state import TrainState
+from detector.training.train_state import TrainState
 
 STATE_ITEM = "state"
 METADATA_ITEM = "metadata"

@@ -22,7 +22,7 @@ from typing import Sequence
 import jax.numpy as jnp
 import numpy as np
 
-from detector import box_ops
+from detector.ops import box_ops
 
 
 def num_anchors_per_location(num_scales: int,

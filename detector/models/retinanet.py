@@ -9,12 +9,13 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
-from detector.backbone import ResNet
+from detector.models.resnet import ResNet
 from detector.errors import ConfigError
-from detector.fpn import FPN
-from detector import level_packing
-from detector.layers import constrain_activation, conv, group_norm
-from detector.vit import SimpleFeaturePyramid, ViT
+from detector.models.necks import FPN
+from detector.models import level_packing
+from detector.models.layers import constrain_activation, conv, group_norm
+from detector.models.necks import SimpleFeaturePyramid
+from detector.models.vit import ViT
 
 
 class RetinaNetHead(nn.Module):

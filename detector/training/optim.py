@@ -6,7 +6,7 @@ import jax
 import optax
 from flax import traverse_util
 
-from detector.backbone import check_norm, frozen_parameter_mask
+from detector.models.resnet import check_norm, frozen_parameter_mask
 from detector.errors import ConfigError
 
 

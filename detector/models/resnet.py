@@ -17,7 +17,7 @@ import jax.numpy as jnp
 from flax import traverse_util
 
 from detector.errors import ConfigError
-from detector.layers import (FrozenBatchNorm, constrain_activation, conv, group_norm, rematerialized,
+from detector.models.layers import (FrozenBatchNorm, constrain_activation, conv, group_norm, rematerialized,
                              symmetric_padding)
 
 # "group": GroupNorm, trained (from-scratch training at a few images per device).

@@ -30,9 +30,9 @@ import numpy as np
 from etils import epath
 from jax.experimental import multihost_utils
 
-from detector import steps
+from detector.training import steps
 from detector.errors import ConfigError
-from detector.inference import Predictor, network_input
+from detector.serving.predictor import Predictor, network_input
 from input_pipeline import transforms
 
 EXPORTED_FILE = "model.jax_exported"

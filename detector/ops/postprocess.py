@@ -7,7 +7,7 @@ from typing import Sequence
 import jax
 import jax.numpy as jnp
 
-from detector import box_ops
+from detector.ops import box_ops
 
 
 def non_max_suppression(boxes_yxyx, scores, iou_threshold: float,

@@ -1,0 +1,240 @@
+"""The training loop: mesh, compiled steps, state, input, steps with logging, checkpoints and evaluation.
+
+`train_and_evaluate` is what `python -m detector.train` runs. The same code
+runs on one CPU, one GPU, or many hosts: the config's mesh and batch size
+decide how the work is split. A workdir that holds a checkpoint is resumed.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import time
+from typing import Any
+
+import jax
+import ml_collections
+import optax
+from absl import logging
+from etils import epath
+
+import input_pipeline
+import sharding
+from detector.models.retinanet import create_model
+from detector.models.weight_import import load_backbone_params
+from detector.training import checkpointing, optim, preemption, steps
+from detector.training.evaluator import Evaluator
+from detector.training.metric_writers import MetricWriter
+from detector.training.monitors import DataReport, MetricWindow, NonFiniteSteps
+from detector.training.planning import log_step_plan
+from detector.training.train_state import TrainState, count_params, init_train_state
+from input_pipeline.progress import Progress
+
+
+def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict[str, float] | None:
+    """Trains to `config.total_steps` (resuming from `workdir` if possible) and evaluates.
+
+    Returns the last evaluation's COCO metrics on process 0 (None elsewhere,
+    and None after a preemption stop).
+    """
+    is_primary = jax.process_index() == 0
+    workdir_path = _prepare_workdir(config, workdir, is_primary)
+    mesh, rules = _create_mesh(config)
+    dataset_info = input_pipeline.get_dataset_info(config)
+    data_report = DataReport(config, workdir_path, enabled=is_primary)
+    model = create_model(config.model, dataset_info.num_classes, steps.num_anchors_per_location(config))
+    tx, schedule = optim.create_optimizer(config.optimizer, config.total_steps, model_config=config.model)
+    programs = _compile(config, model, tx, schedule, dataset_info.num_classes, mesh, rules)
+
+    manager = checkpointing.create_manager(workdir, max_to_keep=config.keep_checkpoints)
+    best_manager = checkpointing.create_best_manager(workdir)
+    writer = MetricWriter(workdir, enabled=is_primary)
+    try:
+        start = _restore_or_init(config, manager, model, tx, programs)
+        writer.discard_after(start.step)
+        # The stream is a function of (seed, position): a resumed run starts at
+        # the checkpoint's position and sees exactly what an uninterrupted run
+        # would. Each process reads only the rows of every global batch its devices hold.
+        train_iter = input_pipeline.create_train_iterator(
+            config,
+            start_position=start.input_position,
+            first_row=input_pipeline.process_rows(programs.batch_sharding, config.global_batch_size),
+        )
+        evaluate = Evaluator(
+            config,
+            workdir,
+            mesh=mesh,
+            predict=programs.predict,
+            dataset_info=dataset_info,
+            writer=writer,
+            data_report=data_report,
+            best_manager=best_manager,
+            is_primary=is_primary,
+        )
+        state, last_metrics, stopped_early = _train_loop(
+            config, start.state, programs.train, train_iter, mesh, manager, evaluate, writer, data_report, is_primary
+        )
+        if not stopped_early:
+            checkpointing.export_params(workdir, state.params)
+    finally:
+        # Let an in-flight async save finish so the newest checkpoint is complete.
+        manager.wait_until_finished()
+        manager.close()
+        best_manager.close()
+        writer.close()
+    if stopped_early:
+        return None
+    if is_primary and last_metrics is not None:
+        logging.info("final COCO metrics: %s", json.dumps({k: round(v, 4) for k, v in last_metrics.items()}))
+    return last_metrics
+
+
+def _prepare_workdir(config: ml_collections.ConfigDict, workdir: str, is_primary: bool) -> epath.Path:
+    """Creates the workdir and writes the run's config.json (process 0)."""
+    path = epath.Path(workdir)
+    path.mkdir(parents=True, exist_ok=True)
+    if is_primary:
+        (path / "config.json").write_text(config.to_json_best_effort(indent=2))
+    return path
+
+
+def _create_mesh(config: ml_collections.ConfigDict) -> tuple[jax.sharding.Mesh, sharding.LogicalRules]:
+    """The config's mesh and logical rules, with both global batch sizes checked against it."""
+    mesh = sharding.create_mesh(config.mesh)
+    rules = sharding.logical_rules(config.sharding)
+    per_device_batch = sharding.check_global_batch(config.global_batch_size, mesh)
+    sharding.check_global_batch(config.eval_batch_size, mesh)
+    logging.info(
+        "mesh %s over %d devices (%d processes); per-device batch %d",
+        dict(mesh.shape),
+        mesh.size,
+        jax.process_count(),
+        per_device_batch,
+    )
+    return mesh, rules
+
+
+@dataclasses.dataclass(frozen=True)
+class _Programs:
+    """The compiled steps of a run and the shardings they were compiled for."""
+
+    train: Any  # (state, global batch) -> (state, metrics)
+    predict: Any  # (params, global batch) -> outputs
+    abstract_state: TrainState
+    state_shardings: TrainState
+    batch_sharding: jax.sharding.NamedSharding
+
+
+def _compile(config, model, tx, schedule, num_classes: int, mesh, rules) -> _Programs:
+    """Compiles the train and predict steps ahead of time; logs and checks the train step's memory."""
+    with sharding.use_mesh(mesh, rules):
+        compile_start = time.perf_counter()
+        train, abstract_state, state_shardings = steps.compile_train_step(
+            config, model, tx, schedule, num_classes=num_classes, mesh=mesh, rules=rules
+        )
+        predict = steps.compile_predict_step(
+            config,
+            model,
+            abstract_params=abstract_state.params,
+            param_shardings=state_shardings.params,
+            mesh=mesh,
+            batch_size=config.eval_batch_size,
+        )
+        logging.info("compiled train and predict steps in %.1fs", time.perf_counter() - compile_start)
+    logging.info(
+        "model: %.2fM parameters, %d anchors per image",
+        count_params(abstract_state.params) / 1e6,
+        steps.anchors_for_config(config).shape[0],
+    )
+    log_step_plan(config, train, abstract_state, mesh)
+    return _Programs(
+        train=train,
+        predict=predict,
+        abstract_state=abstract_state,
+        state_shardings=state_shardings,
+        batch_sharding=sharding.batch_sharding(mesh, sharding.batch_axes(mesh)),
+    )
+
+
+@dataclasses.dataclass(frozen=True)
+class _Start:
+    state: TrainState
+    step: int
+    input_position: int
+
+
+def _restore_or_init(config, manager, model, tx: optax.GradientTransformation, programs: _Programs) -> _Start:
+    """Resumes from the newest checkpoint, or initialises the state sharded (and loads pretrained weights)."""
+    restored = checkpointing.restore_latest(manager, programs.abstract_state)
+    if restored is not None:
+        state, metadata = restored
+        step = int(jax.device_get(state.step))
+        position = checkpointing.input_position(metadata, step, config.global_batch_size)
+        logging.info("resuming from step %d at input position %d", step, position)
+        return _Start(state, step, position)
+    state = init_train_state(
+        model, tx, tuple(config.input.image_size), programs.state_shardings, jax.random.key(config.seed)
+    )
+    pretrained = config.model.backbone.get("pretrained", "")
+    if pretrained:
+        # Only on a fresh start: a resumed run continues from its own checkpoint.
+        state = state.replace(params=load_backbone_params(state.params, pretrained))
+        logging.info("backbone initialised from %s", pretrained)
+    return _Start(state, 0, 0)
+
+
+def _train_loop(
+    config, state, train_step, train_iter, mesh, manager, evaluate: Evaluator, writer, data_report, is_primary
+) -> tuple[TrainState, dict[str, float] | None, bool]:
+    """Steps from the state's step to `config.total_steps`; returns (state, last eval metrics, stopped early)."""
+    start_step = int(jax.device_get(state.step))
+    total_steps = config.total_steps
+    batch_axes = sharding.batch_axes(mesh)
+    window = MetricWindow(config.global_batch_size, total_steps)
+    nonfinite = NonFiniteSteps(int(config.max_consecutive_nonfinite))
+    last_metrics, last_logged, stopped_early = None, {}, False
+    # A live line on terminals; the periodic log lines are the record everywhere.
+    with (
+        preemption.PreemptionWatch() as watch,
+        Progress(
+            "step", total_steps, unit="steps", log_every_s=None, enabled=is_primary, initial=start_step
+        ) as progress,
+    ):
+        for step in range(start_step + 1, total_steps + 1):
+            wait_start = time.perf_counter()
+            batch = input_pipeline.to_global_batch(next(train_iter), mesh, batch_axes)
+            window.add_input_wait(time.perf_counter() - wait_start)
+            state, metrics = train_step(state, batch)
+            window.add_step(metrics)
+            progress.update(step, **last_logged)
+            # Every process asks after every step; all get the same answer.
+            stopped_early = watch.reached_stop_step(step) and step < total_steps
+            last = step == total_steps or stopped_early
+
+            if step % config.log_every_steps == 0 or last:
+                summary = window.summarize(step, nonfinite)
+                logging.info("%s", window.log_line(step, summary))
+                writer.write_train(step, summary)
+                last_logged = {"loss": summary["loss"], "img/s": round(summary["images_per_second"], 1)}
+                data_report.update("train", train_iter.input_counts)
+                window.restart()
+            if step % config.checkpoint_every_steps == 0 or last:
+                checkpointing.save(manager, step, state, {"step": step, "input_position": train_iter.position})
+            if stopped_early:
+                logging.warning(
+                    "stopping at step %d of %d on a preemption signal; the checkpoint of step %d is "
+                    "being written. Run the same command to resume.",
+                    step,
+                    total_steps,
+                    step,
+                )
+                break
+            if step % config.eval_every_steps == 0 or step == total_steps:
+                eval_start = time.perf_counter()
+                last_metrics = evaluate(step, state.params)
+                window.exclude(time.perf_counter() - eval_start)  # eval time is not training throughput
+
+        if start_step >= total_steps:
+            logging.info("workdir already holds a checkpoint at step %d >= total_steps; evaluating it", start_step)
+            last_metrics = evaluate(start_step, state.params)
+    return state, last_metrics, stopped_early
