@@ -27,10 +27,11 @@ from detector.serving import coco_evaluation
 from detector.serving import predictor as predictor_lib
 from detector.serving import drawing
 from detector.serving.predictor import load_predictor, predict_images
-from test_train import compilation_cache_dir, data_dir, reference_run  # noqa: F401  (shared module fixtures)
-from tiny_config import as_flags, make_config
+from tests.helpers.tiny_config import as_flags, make_config
+from tests.helpers import REPO_ROOT
 
-REPO_ROOT = pathlib.Path(__file__).resolve().parent.parent
+pytestmark = pytest.mark.usefixtures("compilation_cache_dir")
+
 
 
 def low_threshold_config(data_dir, threshold=0.001):

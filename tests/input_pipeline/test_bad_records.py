@@ -8,7 +8,7 @@ import pytest
 from PIL import Image
 
 import input_pipeline
-from test_pipeline import make_config
+from tests.helpers.pipeline_config import make_config
 
 SIZE = 32
 

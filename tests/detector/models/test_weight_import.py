@@ -12,7 +12,6 @@ from __future__ import annotations
 import functools
 import importlib.util
 import os
-import pathlib
 import subprocess
 import sys
 
@@ -22,6 +21,8 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+
+from tests.helpers import REPO_ROOT
 from flax import traverse_util
 from jax import lax
 
@@ -36,7 +37,6 @@ from detector.models.retinanet import create_model
 from detector.training.train_state import TrainState
 from benchmarks.synthetic import random_batch
 
-REPO_ROOT = pathlib.Path(__file__).resolve().parent.parent
 BN_TENSORS = ("weight", "bias", "running_mean", "running_var")
 
 

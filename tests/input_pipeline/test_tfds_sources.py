@@ -14,7 +14,7 @@ import tensorflow_datasets as tfds
 import input_pipeline
 from input_pipeline import datasets
 from input_pipeline.datasets import synthetic_shapes as ss
-from test_pipeline import make_config
+from tests.helpers.pipeline_config import make_config
 
 HEIGHT, WIDTH, NUM = 48, 64, 6
 

@@ -14,8 +14,8 @@ import sys
 import time
 
 import pytest
+from tests.helpers import REPO_ROOT
 
-REPO_ROOT = pathlib.Path(__file__).resolve().parent.parent
 TIMEOUT_S = 300
 
 

@@ -7,7 +7,6 @@ process with 8 devices.
 """
 
 import os
-import socket
 import subprocess
 import sys
 
@@ -15,18 +14,13 @@ import numpy as np
 import pytest
 
 import input_pipeline
-from test_pipeline import make_config
+from tests.helpers.pipeline_config import make_config
+from tests.helpers import REPO_ROOT
+from tests.helpers.processes import free_port
 
-WORKER = os.path.join(os.path.dirname(__file__), "multiprocess_input_worker.py")
-REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+WORKER = "tests.helpers.multiprocess_input_worker"
 STEPS, RESUME_STEP = 3, 2
 KEYS = ("image_id", "image", "boxes", "labels", "boxes_mask")
-
-
-def free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _run_processes(config, tmp_path, num_processes):
@@ -36,7 +30,7 @@ def _run_processes(config, tmp_path, num_processes):
     port = free_port()
     env = {**os.environ, "PYTHONPATH": REPO_ROOT}
     env.pop("XLA_FLAGS", None)
-    procs = [subprocess.Popen([sys.executable, WORKER, str(config_path), str(port), str(num_processes), str(i), str(out)],
+    procs = [subprocess.Popen([sys.executable, "-m", WORKER, str(config_path), str(port), str(num_processes), str(i), str(out)],
                               cwd=REPO_ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
              for i in range(num_processes)]
     logs = []

@@ -16,6 +16,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 
 import sharding
 from configs import retinanet_r50_coco
+from tests.helpers import REPO_ROOT
 from detector.training import optim
 from detector.training import steps
 from detector.models.retinanet import create_model
@@ -23,7 +24,7 @@ from detector.training.train_state import count_params, state_shardings
 from input_pipeline import datasets
 from sharding import memory
 
-CONFIG_DIR = pathlib.Path(__file__).resolve().parent.parent / "configs"
+CONFIG_DIR = REPO_ROOT / "configs"
 CONFIG_FILES = sorted(p for p in CONFIG_DIR.glob("*.py") if p.name != "__init__.py")
 
 

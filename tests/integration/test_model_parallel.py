@@ -13,7 +13,6 @@ import math
 import re
 import subprocess
 import sys
-from pathlib import Path
 
 import flax
 import jax
@@ -31,9 +30,9 @@ from detector.models.vit import ViT
 from detector.training.planning import plan_train_step
 from sharding import step_plan
 from sharding.collectives import parse_collectives
-from sharded_training import NUM_CLASSES, spatial_config
+from tests.helpers.sharded_training import NUM_CLASSES, spatial_config
+from tests.helpers import REPO_ROOT
 
-REPO_ROOT = Path(__file__).resolve().parents[1]
 
 def tensor_parallel_vit_config():
     """A tiny ViT detector whose large dimensions all divide 8.

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import json
 import os
-import pathlib
 import subprocess
 import sys
 
@@ -24,10 +23,11 @@ from detector.serving import predictor as predictor_lib
 from detector.errors import ConfigError
 from detector.serving.predictor import load_predictor
 from input_pipeline import transforms
-from test_train import compilation_cache_dir, data_dir, reference_run  # noqa: F401  (shared module fixtures)
-from tiny_config import as_flags, make_config
+from tests.helpers.tiny_config import as_flags, make_config
+from tests.helpers import REPO_ROOT
 
-REPO_ROOT = pathlib.Path(__file__).resolve().parent.parent
+pytestmark = pytest.mark.usefixtures("compilation_cache_dir")
+
 EXPORT_OVERRIDES = {"postprocess.score_threshold": 0.0, "postprocess.max_detections": 10}
 MAX_DETECTIONS = EXPORT_OVERRIDES["postprocess.max_detections"]
 IMAGE_SIZES = ((120, 90), (48, 160), (64, 64))  # (h, w): taller, wider and the same as the network input

@@ -1,6 +1,6 @@
-"""Restores a workdir's newest checkpoint onto a mesh, as one process of a run (launched by test_fault_tolerance.py).
+"""Restores a workdir's newest checkpoint onto a mesh, as one process of a run (launched by tests/integration/test_fault_tolerance.py).
 
-usage: python checkpoint_worker.py CONFIG_JSON SRC_WORKDIR DATA,FSDP,MODEL OUT_NPZ [DST_WORKDIR]
+usage: python -m tests.helpers.checkpoint_worker CONFIG_JSON SRC_WORKDIR DATA,FSDP,MODEL OUT_NPZ [DST_WORKDIR]
        [--coordinator_address=... --num_processes=N --process_id=I]
 
 Restores the newest checkpoint of SRC_WORKDIR with the trainer's own code onto
@@ -23,7 +23,7 @@ from jax.experimental import multihost_utils
 import sharding
 from detector.training import checkpointing
 from sharding import distributed
-from sharded_training import abstract_state_on_mesh
+from tests.helpers.sharded_training import abstract_state_on_mesh
 
 distributed.define_flags()
 

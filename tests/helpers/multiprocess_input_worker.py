@@ -1,6 +1,6 @@
-"""One process of a multi-process input-pipeline run (launched by test_multiprocess_input.py).
+"""One process of a multi-process input-pipeline run (launched by tests/integration/test_multiprocess_input.py).
 
-usage: python multiprocess_input_worker.py CONFIG_JSON PORT NUM_PROCESSES PROCESS_ID OUT_NPZ
+usage: python -m tests.helpers.multiprocess_input_worker CONFIG_JSON PORT NUM_PROCESSES PROCESS_ID OUT_NPZ
 
 Joins the others over 127.0.0.1 (gloo CPU collectives), builds the trainer's
 mesh and batch sharding, reads its rows of the training stream and assembles

@@ -25,12 +25,12 @@ import numpy as np
 import orbax.checkpoint as ocp
 import pytest
 
-from test_multiprocess_input import free_port
-from test_train import checkpoint_steps, flat, once_per_run, read_jsonl
-from tiny_config import as_flags, make_config
+from tests.helpers.processes import free_port
+from tests.helpers.runs import checkpoint_steps, flat, once_per_run, read_jsonl
+from tests.helpers.tiny_config import as_flags, make_config
+from tests.helpers import REPO_ROOT
 
-REPO_ROOT = pathlib.Path(__file__).resolve().parent.parent
-WORKER = REPO_ROOT / "tests" / "checkpoint_worker.py"
+WORKER = "tests.helpers.checkpoint_worker"
 TOTAL_STEPS = 8
 RUN = {"total_steps": TOTAL_STEPS, "checkpoint_every_steps": 2, "log_every_steps": 1, "eval_every_steps": TOTAL_STEPS}
 LOSS_KEYS = ("loss", "cls_loss", "box_loss", "grad_norm", "learning_rate")
@@ -266,7 +266,7 @@ def test_two_processes_train_like_one_and_stop_together_on_sigterm(reference, da
 
 
 def run_worker(config_json, source, mesh_shape, out, cache_dir, *, destination=None, num_processes=1, devices=1):
-    command = [sys.executable, str(WORKER), str(config_json), str(source), mesh_shape, str(out)]
+    command = [sys.executable, "-m", WORKER, str(config_json), str(source), mesh_shape, str(out)]
     runs = start_processes(command + ([str(destination)] if destination else []), num_processes, devices, cache_dir)
     for run in runs:
         assert run.finish() == 0, run.output[-3000:]

@@ -1,7 +1,6 @@
 """Joining processes: flag validation, cluster detection, the local launcher, and a dead peer."""
 
 import os
-import pathlib
 import signal
 import subprocess
 import sys
@@ -12,9 +11,9 @@ import pytest
 
 from sharding import distributed
 from sharding.distributed import DistributedError, DistributedOptions
-from test_multiprocess_input import free_port
+from tests.helpers.processes import free_port
+from tests.helpers import REPO_ROOT
 
-REPO_ROOT = pathlib.Path(__file__).resolve().parent.parent
 LAUNCHER = REPO_ROOT / "scripts" / "launch_local.sh"
 
 

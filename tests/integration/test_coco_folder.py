@@ -6,12 +6,13 @@ import numpy as np
 import pytest
 
 import input_pipeline
-from coco_folders import CATEGORY_IDS, coco_json_overrides, write_folder
+from tests.helpers.coco_folders import CATEGORY_IDS, coco_json_overrides, write_folder
 from detector.serving import coco_evaluation
 from detector.training import trainer
-from test_pipeline import make_config as make_pipeline_config
-from test_train import compilation_cache_dir  # noqa: F401  (autouse: shares test_train's compiled programs)
-from tiny_config import make_config as make_train_config
+from tests.helpers.pipeline_config import make_config as make_pipeline_config
+from tests.helpers.tiny_config import make_config as make_train_config
+
+pytestmark = pytest.mark.usefixtures("compilation_cache_dir")
 
 
 @pytest.fixture(scope="module")

@@ -9,20 +9,15 @@ disk instead of compiling it again.
 
 from __future__ import annotations
 
-import fcntl
 import json
 import math
-import os
-import shutil
 import types
 
-import flax
 import orbax.checkpoint as ocp
 import jax
 import numpy as np
 import pytest
 import tensorflow as tf
-from jax.experimental.compilation_cache import compilation_cache
 
 import input_pipeline
 import sharding
@@ -33,20 +28,14 @@ from detector.training import trainer
 from detector.errors import TrainingError
 from detector.models.retinanet import create_model
 from detector.training.train_state import describe_param_shardings, state_shardings
-from sharded_training import abstract_state_on_mesh, assert_same_training, train_on_mesh
-from tiny_config import make_config
+from tests.helpers.sharded_training import abstract_state_on_mesh, assert_same_training, train_on_mesh
+from tests.helpers.tiny_config import make_config
+from tests.helpers.runs import checkpoint_steps, flat, read_jsonl
+
+pytestmark = pytest.mark.usefixtures("compilation_cache_dir")
 
 TRAIN_KEYS = {"step", "loss", "cls_loss", "box_loss", "learning_rate", "images_per_second"}
 EVAL_KEYS = {"step", "AP", "AP50", "AP75", "APs", "APm", "APl", "AR100"}
-
-
-def read_jsonl(path):
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
-
-
-def checkpoint_steps(workdir):
-    directory = workdir / "checkpoints"
-    return sorted(int(p.name) for p in directory.iterdir() if p.name.isdigit()) if directory.exists() else []
 
 
 def restore_latest(workdir, config):
@@ -62,70 +51,6 @@ def restore_latest(workdir, config):
     assert restored is not None, f"no checkpoint in {workdir}"
     state, metadata = restored
     return jax.device_get(state), metadata, step
-
-
-def flat(tree):
-    return flax.traverse_util.flatten_dict(tree, sep="/")
-
-
-def once_per_run(tmp_path_factory, name, produce):
-    """A directory filled by `produce(directory)` once per pytest run.
-
-    pytest-xdist (`-n 2`) may split this module's tests across workers, each
-    with its own module fixtures; the workers then share one result through
-    the run's common temp root instead of each paying for it.
-    """
-    if "PYTEST_XDIST_WORKER" not in os.environ:
-        directory = tmp_path_factory.mktemp(name)
-        produce(directory)
-        return directory
-    root = tmp_path_factory.getbasetemp().parent  # common to this run's workers only
-    directory, complete = root / name, root / f"{name}.complete"
-    with open(root / f"{name}.lock", "w") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file closes
-        if not complete.exists():
-            shutil.rmtree(directory, ignore_errors=True)
-            directory.mkdir()
-            produce(directory)
-            complete.touch()
-    return directory
-
-
-@pytest.fixture(scope="module", autouse=True)
-def compilation_cache_dir(tmp_path_factory):
-    """A persistent compilation cache for this module only (restored afterwards)."""
-    names = ("jax_compilation_cache_dir", "jax_persistent_cache_min_compile_time_secs",
-             "jax_persistent_cache_min_entry_size_bytes")
-    saved = {name: getattr(jax.config, name) for name in names}
-    cache_dir = once_per_run(tmp_path_factory, "compilation_cache", lambda directory: None)
-    jax.config.update("jax_compilation_cache_dir", str(cache_dir))
-    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
-    jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
-    compilation_cache.reset_cache()  # The cache is set up once per process; make it see the new dir.
-    yield
-    for name, value in saved.items():
-        jax.config.update(name, value)
-    compilation_cache.reset_cache()
-
-
-@pytest.fixture(scope="module")
-def data_dir(tmp_path_factory):
-    # Generates the dataset once.
-    return once_per_run(tmp_path_factory, "data", lambda path: input_pipeline.get_dataset_info(make_config(path)))
-
-
-@pytest.fixture(scope="module")
-def reference_run(tmp_path_factory, data_dir):
-    """4 uninterrupted steps, checkpoints at 2 and 4, one evaluation at 4."""
-    config = make_config(data_dir)
-
-    def produce(workdir):
-        metrics = trainer.train_and_evaluate(config, str(workdir))
-        (workdir / "returned_metrics.json").write_text(json.dumps(metrics))
-
-    workdir = once_per_run(tmp_path_factory, "reference_run", produce)
-    metrics = json.loads((workdir / "returned_metrics.json").read_text())
-    return types.SimpleNamespace(workdir=workdir, config=config, metrics=metrics)
 
 
 def test_training_writes_checkpoints_metrics_and_tensorboard(reference_run):

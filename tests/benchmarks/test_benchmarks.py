@@ -9,8 +9,8 @@ import sys
 import pytest
 
 from benchmarks import gpu
+from tests.helpers import REPO_ROOT
 
-REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def _cpu_env() -> dict[str, str]:

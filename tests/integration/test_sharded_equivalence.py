@@ -14,7 +14,7 @@ import numpy as np
 from configs import vitdet_tiny
 from detector.training import steps
 from detector.models.retinanet import create_model
-from sharded_training import NUM_CLASSES, assert_same_training, spatial_config, train_on_mesh
+from tests.helpers.sharded_training import NUM_CLASSES, assert_same_training, spatial_config, train_on_mesh
 
 
 def random_batch(config, seed: int) -> dict[str, np.ndarray]:

@@ -1,0 +1,9 @@
+"""Local processes standing in for hosts."""
+
+import socket
+
+
+def free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
