@@ -50,8 +50,7 @@ from absl import app, flags  # noqa: E402
 
 from benchmarks import report  # noqa: E402
 
-SHIPPED_CONFIGS = ("default", "vitdet_tiny", "retinanet_r50_coco", "vitdet_b_coco", "vitdet_l_coco",
-                   "vitdet_h_coco")
+SHIPPED_CONFIGS = ("default", "vitdet_tiny", "retinanet_r50_coco", "vitdet_b_coco", "vitdet_l_coco", "vitdet_h_coco")
 # The configs that finish on a 2-core, 24 GB CPU machine, each in under 5 minutes.
 # vitdet_h_coco is left out: its step needs 20.1 GB at 256 px and batch 2
 # (`python -m detector.plan`), and even at 128 px its worker grows past 20 GB
@@ -114,21 +113,33 @@ def _worker(name: str, cache_dir: str) -> None:
 
 def cache_entries(cache_dir: str) -> dict[str, int]:
     """Bytes of each entry of a persistent compilation cache, by file name (`jit_NAME-KEY-cache`)."""
-    return {name: os.path.getsize(os.path.join(cache_dir, name)) for name in os.listdir(cache_dir)
-            if os.path.isfile(os.path.join(cache_dir, name))}
+    return {
+        name: os.path.getsize(os.path.join(cache_dir, name))
+        for name in os.listdir(cache_dir)
+        if os.path.isfile(os.path.join(cache_dir, name))
+    }
 
 
 def run_worker(name: str, cache_dir: str) -> dict:
     """Runs one worker process for config `name` and returns its record (plus its wall time)."""
-    command = [sys.executable, "-m", "benchmarks.compile_time", f"--worker={name}", f"--cache_dir={cache_dir}",
-               f"--image_size={_IMAGE_SIZE.value}", f"--batch_size={_BATCH_SIZE.value}",
-               f"--num_classes={_NUM_CLASSES.value}"]
+    command = [
+        sys.executable,
+        "-m",
+        "benchmarks.compile_time",
+        f"--worker={name}",
+        f"--cache_dir={cache_dir}",
+        f"--image_size={_IMAGE_SIZE.value}",
+        f"--batch_size={_BATCH_SIZE.value}",
+        f"--num_classes={_NUM_CLASSES.value}",
+    ]
     start = time.monotonic()
     try:
         finished = subprocess.run(command, stdout=subprocess.PIPE, text=True, timeout=_WORKER_TIMEOUT.value)
     except subprocess.TimeoutExpired:
-        sys.exit(f"error: the {name} worker did not finish in {_WORKER_TIMEOUT.value} s; "
-                 "raise --worker_timeout_s or leave the config out of --configs")
+        sys.exit(
+            f"error: the {name} worker did not finish in {_WORKER_TIMEOUT.value} s; "
+            "raise --worker_timeout_s or leave the config out of --configs"
+        )
     wall = time.monotonic() - start
     lines = [line for line in finished.stdout.splitlines() if line.startswith("{")]
     if finished.returncode != 0 or not lines:
@@ -159,20 +170,38 @@ def main(argv: list[str]) -> None:
                 after = cache_entries(cache_dir)
                 # A warm run that writes an entry compiled that program again: its
                 # cache key differed from the cold run's. Named, not hidden.
-                record.update(cache=cache, cache_bytes=sum(after.values()),
-                              entries_written=sorted(set(after) - set(before)))
+                record.update(
+                    cache=cache, cache_bytes=sum(after.values()), entries_written=sorted(set(after) - set(before))
+                )
                 records.append(record)
-                print(f"{name} ({cache}): first step done {record['to_first_step_seconds']:.1f} s after start, "
-                      f"compile {record['compile_seconds']:.1f} s, "
-                      f"{len(record['entries_written'])} cache entries written", flush=True)
+                print(
+                    f"{name} ({cache}): first step done {record['to_first_step_seconds']:.1f} s after start, "
+                    f"compile {record['compile_seconds']:.1f} s, "
+                    f"{len(record['entries_written'])} cache entries written",
+                    flush=True,
+                )
                 if cache == "warm" and record["entries_written"]:
-                    print(f"warning: {name}: the warm run missed the cache for "
-                          f"{', '.join(entry.split('-')[0] for entry in record['entries_written'])}", flush=True)
-                rows.append((name, f"{_IMAGE_SIZE.value}x{_IMAGE_SIZE.value}", _BATCH_SIZE.value, record["dtype"],
-                             cache, record["setup_seconds"], record["compile_seconds"],
-                             record["model_built_seconds"], record["first_step_seconds"],
-                             record["to_first_step_seconds"], len(record["entries_written"]),
-                             record["cache_bytes"] / 2**20))
+                    print(
+                        f"warning: {name}: the warm run missed the cache for "
+                        f"{', '.join(entry.split('-')[0] for entry in record['entries_written'])}",
+                        flush=True,
+                    )
+                rows.append(
+                    (
+                        name,
+                        f"{_IMAGE_SIZE.value}x{_IMAGE_SIZE.value}",
+                        _BATCH_SIZE.value,
+                        record["dtype"],
+                        cache,
+                        record["setup_seconds"],
+                        record["compile_seconds"],
+                        record["model_built_seconds"],
+                        record["first_step_seconds"],
+                        record["to_first_step_seconds"],
+                        len(record["entries_written"]),
+                        record["cache_bytes"] / 2**20,
+                    )
+                )
     finally:
         if _CACHE_ROOT.value is None:
             shutil.rmtree(cache_root, ignore_errors=True)
@@ -182,21 +211,42 @@ def main(argv: list[str]) -> None:
         f"Seconds from process start to the first finished train step, each config as shipped at "
         f"{_IMAGE_SIZE.value}x{_IMAGE_SIZE.value} px, global batch {_BATCH_SIZE.value}: a fresh process each, "
         "with an empty (cold) and then a filled (warm) persistent compilation cache",
-        ["config", "image", "batch", "dtype", "cache", "setup s", "compile s", "start→model built s",
-         "first step s", "start→first step s", "cache entries written", "cache MiB"],
-        rows, extra={"workers": records})
+        [
+            "config",
+            "image",
+            "batch",
+            "dtype",
+            "cache",
+            "setup s",
+            "compile s",
+            "start→model built s",
+            "first step s",
+            "start→first step s",
+            "cache entries written",
+            "cache MiB",
+        ],
+        rows,
+        extra={"workers": records},
+    )
 
 
 if __name__ == "__main__":
     # Defined here, not on import, so that importing this module next to other
     # benchmarks with flags of the same names does not clash.
-    _CONFIGS = flags.DEFINE_list("configs", list(DEFAULT_CONFIGS),
-                                 f"Shipped configs to measure (configs/NAME.py), of: {', '.join(SHIPPED_CONFIGS)}.")
+    _CONFIGS = flags.DEFINE_list(
+        "configs",
+        list(DEFAULT_CONFIGS),
+        f"Shipped configs to measure (configs/NAME.py), of: {', '.join(SHIPPED_CONFIGS)}.",
+    )
     _IMAGE_SIZE = flags.DEFINE_integer("image_size", 256, "Square input size in pixels.", lower_bound=32)
     _BATCH_SIZE = flags.DEFINE_integer("batch_size", 2, "Global batch size.", lower_bound=1)
     _NUM_CLASSES = flags.DEFINE_integer("num_classes", 80, "Classes of the detection head (COCO: 80).")
-    _CACHE_ROOT = flags.DEFINE_string("cache_root", None, "Where the per-config cache directories go (each is "
-                                      "emptied before its cold run); default: a temporary directory, removed after.")
+    _CACHE_ROOT = flags.DEFINE_string(
+        "cache_root",
+        None,
+        "Where the per-config cache directories go (each is "
+        "emptied before its cold run); default: a temporary directory, removed after.",
+    )
     _WORKER_TIMEOUT = flags.DEFINE_integer("worker_timeout_s", 1800, "Give up on a worker after this many seconds.")
     _WORKER = flags.DEFINE_string("worker", None, "Internal: run as the worker for this config.")
     _CACHE_DIR = flags.DEFINE_string("cache_dir", None, "Internal: the worker's persistent compilation cache.")

@@ -88,11 +88,15 @@ def _model_configs(smoke: bool) -> list[tuple[str, Any]]:
     from configs import default, retinanet_r50_coco, vitdet_b_coco, vitdet_tiny
 
     if smoke:
-        models = [("RetinaNet tiny ResNet (default.py)", default.get_config(), SMOKE_IMAGE_SIZE),
-                  ("ViTDet tiny (vitdet_tiny.py)", vitdet_tiny.get_config(), SMOKE_IMAGE_SIZE)]
+        models = [
+            ("RetinaNet tiny ResNet (default.py)", default.get_config(), SMOKE_IMAGE_SIZE),
+            ("ViTDet tiny (vitdet_tiny.py)", vitdet_tiny.get_config(), SMOKE_IMAGE_SIZE),
+        ]
     else:
-        models = [("RetinaNet R50-FPN", retinanet_r50_coco.get_config(), 800),
-                  ("ViTDet-B", vitdet_b_coco.get_config(), 1024)]
+        models = [
+            ("RetinaNet R50-FPN", retinanet_r50_coco.get_config(), 800),
+            ("ViTDet-B", vitdet_b_coco.get_config(), 1024),
+        ]
     named = []
     for name, config, image_size in models:
         config.input.image_size = (image_size, image_size)
@@ -117,8 +121,9 @@ def _free_device_memory() -> None:
     jax.clear_caches()
 
 
-def measure(config, batch_size: int, device, memory_limit: int | None, steps: int,
-            num_classes: int) -> dict[str, Any] | None:
+def measure(
+    config, batch_size: int, device, memory_limit: int | None, steps: int, num_classes: int
+) -> dict[str, Any] | None:
     """Compiles and times `config`'s step at a per-device batch of `batch_size` on `device`.
 
     Returns seconds per step, FLOPs per step and per-device bytes, or None when
@@ -135,13 +140,22 @@ def measure(config, batch_size: int, device, memory_limit: int | None, steps: in
     try:
         step = jax_step.build(config, num_classes, devices=[device])
         if memory_limit is not None and step.plan.total_bytes > memory_limit:
-            logging.info("batch %d: the step needs %.2f GiB, the device has %.2f GiB", batch_size,
-                         step.plan.total_bytes / 2**30, memory_limit / 2**30)
+            logging.info(
+                "batch %d: the step needs %.2f GiB, the device has %.2f GiB",
+                batch_size,
+                step.plan.total_bytes / 2**30,
+                memory_limit / 2**30,
+            )
             return None
         step.run(WARMUP_STEPS)
         seconds_per_step = step.run(steps)
-        return {"batch": batch_size, "seconds_per_step": seconds_per_step, "flops_per_step": step.plan.flops,
-                "per_device_bytes": step.plan.total_bytes, "compile_seconds": step.plan.compile_seconds}
+        return {
+            "batch": batch_size,
+            "seconds_per_step": seconds_per_step,
+            "flops_per_step": step.plan.flops,
+            "per_device_bytes": step.plan.total_bytes,
+            "compile_seconds": step.plan.compile_seconds,
+        }
     except jax.errors.JaxRuntimeError as e:
         if not _is_out_of_memory(e):
             raise
@@ -149,8 +163,9 @@ def measure(config, batch_size: int, device, memory_limit: int | None, steps: in
         return None
 
 
-def largest_fitting_batch(name: str, config, device, memory_limit: int | None, start_batch: int,
-                          max_batch: int, steps: int, num_classes: int) -> list[dict[str, Any]]:
+def largest_fitting_batch(
+    name: str, config, device, memory_limit: int | None, start_batch: int, max_batch: int, steps: int, num_classes: int
+) -> list[dict[str, Any]]:
     """Measures per-device batches start_batch, 2x, 4x, ... up to max_batch until one does not fit.
 
     Returns the measurements of the batches that fit, smallest first (empty
@@ -163,9 +178,12 @@ def largest_fitting_batch(name: str, config, device, memory_limit: int | None, s
         _free_device_memory()
         if result is None:
             break
-        print(f"{name}: batch {batch_size}: {batch_size / result['seconds_per_step']:.2f} images/s, "
-              f"{result['seconds_per_step'] * 1e3:.1f} ms/step, "
-              f"{result['per_device_bytes'] / 2**30:.2f} GiB", flush=True)
+        print(
+            f"{name}: batch {batch_size}: {batch_size / result['seconds_per_step']:.2f} images/s, "
+            f"{result['seconds_per_step'] * 1e3:.1f} ms/step, "
+            f"{result['per_device_bytes'] / 2**30:.2f} GiB",
+            flush=True,
+        )
         fitting.append(result)
         batch_size *= 2
     return fitting
@@ -184,9 +202,11 @@ def main(argv: list[str]) -> None:
         if "xla_backend_optimization_level" not in os.environ.get("XLA_FLAGS", ""):
             os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} --xla_backend_optimization_level=0".strip()
     elif jax.default_backend() != "gpu":
-        sys.exit(f"error: benchmarks.gpu measures a GPU but JAX's backend here is {jax.default_backend()!r}; "
-                 "add --smoke for a quick CPU check of the benchmark, or run it on a GPU machine "
-                 "(pip install -e \".[cuda12]\")")
+        sys.exit(
+            f"error: benchmarks.gpu measures a GPU but JAX's backend here is {jax.default_backend()!r}; "
+            "add --smoke for a quick CPU check of the benchmark, or run it on a GPU machine "
+            '(pip install -e ".[cuda12]")'
+        )
     from sharding import memory
 
     max_batch = SMOKE_MAX_BATCH if smoke and not flags.FLAGS["max_batch"].present else _MAX_BATCH.value
@@ -202,14 +222,19 @@ def main(argv: list[str]) -> None:
         peak, peak_source = SMOKE_PEAK_FLOPS, "nominal (--smoke)"
     else:
         peak, peak_source = math.nan, "unknown"
-        print(f"warning: no peak FLOP/s known for {device.device_kind!r}, so MFU is n/a; "
-              "pass --peak_tflops=N (its dense bf16 TFLOP/s)", file=sys.stderr, flush=True)
+        print(
+            f"warning: no peak FLOP/s known for {device.device_kind!r}, so MFU is n/a; "
+            "pass --peak_tflops=N (its dense bf16 TFLOP/s)",
+            file=sys.stderr,
+            flush=True,
+        )
 
     rows, searches = [], {}
     for name, config in _model_configs(smoke):
         height, width = config.input.image_size
-        fitting = largest_fitting_batch(name, config, device, memory_limit, _START_BATCH.value, max_batch, steps,
-                                        _NUM_CLASSES.value)
+        fitting = largest_fitting_batch(
+            name, config, device, memory_limit, _START_BATCH.value, max_batch, steps, _NUM_CLASSES.value
+        )
         searches[name] = fitting
         image = f"{height}x{width}"
         if not fitting:
@@ -219,38 +244,76 @@ def main(argv: list[str]) -> None:
         best = fitting[-1]
         seconds = best["seconds_per_step"]
         achieved = best["flops_per_step"] / seconds
-        rows.append((name, image, config.model.dtype, best["batch"], best["batch"] / seconds, seconds * 1e3,
-                     best["flops_per_step"] / 1e12, achieved / 1e12, achieved / peak,
-                     best["per_device_bytes"] / 2**30))
+        rows.append(
+            (
+                name,
+                image,
+                config.model.dtype,
+                best["batch"],
+                best["batch"] / seconds,
+                seconds * 1e3,
+                best["flops_per_step"] / 1e12,
+                achieved / 1e12,
+                achieved / peak,
+                best["per_device_bytes"] / 2**30,
+            )
+        )
 
     limit_text = f"{memory_limit / 2**30:.1f} GiB" if memory_limit is not None else "no limit reported"
-    peak_text = (f"MFU against {peak / 1e12:g} TFLOP/s bf16 peak ({peak_source})" if not math.isnan(peak)
-                 else "MFU n/a: peak FLOP/s unknown, pass --peak_tflops")
+    peak_text = (
+        f"MFU against {peak / 1e12:g} TFLOP/s bf16 peak ({peak_source})"
+        if not math.isnan(peak)
+        else "MFU n/a: peak FLOP/s unknown, pass --peak_tflops"
+    )
     report.emit(
         "gpu",
         f"Train step on one {device.device_kind} ({limit_text}) at the largest per-device batch that fits "
         f"(tried {_START_BATCH.value}..{max_batch}, doubling): {steps} timed steps after {WARMUP_STEPS} warm-up; "
         f"{peak_text}",
-        ["model", "image", "precision", "per-device batch", "images/s", "step ms", "TFLOP/step",
-         "achieved TFLOP/s", "MFU", "per-device GiB"],
+        [
+            "model",
+            "image",
+            "precision",
+            "per-device batch",
+            "images/s",
+            "step ms",
+            "TFLOP/step",
+            "achieved TFLOP/s",
+            "MFU",
+            "per-device GiB",
+        ],
         rows,
-        extra={"smoke": smoke, "peak_flops": peak, "peak_flops_source": peak_source,
-               "device_memory_limit_bytes": memory_limit, "steps": steps, "warmup_steps": WARMUP_STEPS,
-               "batches_tried": searches})
+        extra={
+            "smoke": smoke,
+            "peak_flops": peak,
+            "peak_flops_source": peak_source,
+            "device_memory_limit_bytes": memory_limit,
+            "steps": steps,
+            "warmup_steps": WARMUP_STEPS,
+            "batches_tried": searches,
+        },
+    )
 
 
 if __name__ == "__main__":
     # Defined here, not on import, so that tests can import the functions above
     # next to other benchmarks that define flags of the same names.
-    _SMOKE = flags.DEFINE_bool("smoke", False, "Run on the CPU with the tiny configs (default.py, vitdet_tiny.py) "
-                               "at 64 px: checks the benchmark end to end; the numbers mean nothing.")
+    _SMOKE = flags.DEFINE_bool(
+        "smoke",
+        False,
+        "Run on the CPU with the tiny configs (default.py, vitdet_tiny.py) "
+        "at 64 px: checks the benchmark end to end; the numbers mean nothing.",
+    )
     _START_BATCH = flags.DEFINE_integer("start_batch", 1, "First per-device batch tried.", lower_bound=1)
-    _MAX_BATCH = flags.DEFINE_integer("max_batch", 64, "Largest per-device batch tried (--smoke: 4).",
-                                      lower_bound=1)
-    _STEPS = flags.DEFINE_integer("steps", 10, "Timed steps per batch, after 2 warm-up steps (--smoke: 2).",
-                                  lower_bound=1)
-    _PEAK_TFLOPS = flags.DEFINE_float("peak_tflops", None, "The device's peak dense bf16 TFLOP/s, for MFU; "
-                                      "default: looked up by device kind (--smoke: a nominal 1).")
+    _MAX_BATCH = flags.DEFINE_integer("max_batch", 64, "Largest per-device batch tried (--smoke: 4).", lower_bound=1)
+    _STEPS = flags.DEFINE_integer(
+        "steps", 10, "Timed steps per batch, after 2 warm-up steps (--smoke: 2).", lower_bound=1
+    )
+    _PEAK_TFLOPS = flags.DEFINE_float(
+        "peak_tflops",
+        None,
+        "The device's peak dense bf16 TFLOP/s, for MFU; default: looked up by device kind (--smoke: a nominal 1).",
+    )
     _NUM_CLASSES = flags.DEFINE_integer("num_classes", 80, "Classes of the detection head (COCO: 80).")
 
     from detector import cli

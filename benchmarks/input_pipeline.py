@@ -59,8 +59,16 @@ def _write_coco_folder(root: str, num_images: int) -> tuple[str, str]:
         for _ in range(7):
             w, h = rng.uniform(20, 300, size=2)
             x, y = rng.uniform(0, 640 - w), rng.uniform(0, 480 - h)
-            annotations.append({"id": len(annotations) + 1, "image_id": index + 1, "category_id": int(rng.integers(1, 81)),
-                                "bbox": [x, y, w, h], "area": w * h, "iscrowd": 0})
+            annotations.append(
+                {
+                    "id": len(annotations) + 1,
+                    "image_id": index + 1,
+                    "category_id": int(rng.integers(1, 81)),
+                    "bbox": [x, y, w, h],
+                    "area": w * h,
+                    "iscrowd": 0,
+                }
+            )
     categories = [{"id": i, "name": f"class{i}"} for i in range(1, 81)]
     with open(json_path, "w") as f:
         json.dump({"images": images, "annotations": annotations, "categories": categories}, f)
@@ -108,13 +116,24 @@ def main(argv: list[str]) -> None:
             batch = config.global_batch_size
             used_threads = input_pipeline.num_threads(config)
             images_per_s = _BATCHES.value * batch / elapsed
-            rows.append((name, "x".join(str(v) for v in config.input.image_size), batch,
-                         f"{used_threads}" + ("" if threads else " (default)"),
-                         images_per_s, images_per_s / used_threads, 1000 * elapsed / _BATCHES.value))
+            rows.append(
+                (
+                    name,
+                    "x".join(str(v) for v in config.input.image_size),
+                    batch,
+                    f"{used_threads}" + ("" if threads else " (default)"),
+                    images_per_s,
+                    images_per_s / used_threads,
+                    1000 * elapsed / _BATCHES.value,
+                )
+            )
             print(f"{name}: {images_per_s:.1f} images/s", flush=True)
-    report.emit("input_pipeline", f"Input pipeline on {os.cpu_count()} CPU cores ({_BATCHES.value} batches each)",
-                ["pipeline", "output", "batch", "tf.data threads", "images/s", "images/s per thread", "ms/batch"],
-                rows)
+    report.emit(
+        "input_pipeline",
+        f"Input pipeline on {os.cpu_count()} CPU cores ({_BATCHES.value} batches each)",
+        ["pipeline", "output", "batch", "tf.data threads", "images/s", "images/s per thread", "ms/batch"],
+        rows,
+    )
 
 
 if __name__ == "__main__":

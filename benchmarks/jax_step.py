@@ -14,12 +14,12 @@ from typing import Any
 import jax
 
 import sharding
-from detector.training import optim
-from detector.training import steps
-from detector.models.retinanet import create_model
-from detector.training.train_state import init_train_state
 from benchmarks.synthetic import random_batch
+from detector.models.retinanet import create_model
+from detector.training import optim, steps
+from detector.training.train_state import init_train_state
 from sharding import step_plan
+
 
 @dataclasses.dataclass
 class TrainStep:
@@ -52,12 +52,13 @@ def build(config, num_classes: int, devices=None) -> TrainStep:
     with sharding.use_mesh(mesh, rules):
         start = time.perf_counter()
         compiled, abstract_state, shardings = steps.compile_train_step(
-            config, model, tx, schedule, num_classes=num_classes, mesh=mesh, rules=rules)
+            config, model, tx, schedule, num_classes=num_classes, mesh=mesh, rules=rules
+        )
         compile_seconds = time.perf_counter() - start
         state = init_train_state(model, tx, tuple(config.input.image_size), shardings, jax.random.key(0))
     abstract_batch = steps.abstract_batch(config, config.global_batch_size, batch_sharding)
-    plan = step_plan.plan_from_compiled(compiled, abstract_state, abstract_batch, dict(mesh.shape),
-                                       config.global_batch_size, compile_seconds)
+    plan = step_plan.plan_from_compiled(
+        compiled, abstract_state, abstract_batch, dict(mesh.shape), config.global_batch_size, compile_seconds
+    )
     batch = jax.device_put(random_batch(config, num_classes), batch_sharding)
-    return TrainStep(compiled=compiled, state=state, batch=batch, plan=plan,
-                     global_batch_size=config.global_batch_size)
+    return TrainStep(compiled=compiled, state=state, batch=batch, plan=plan, global_batch_size=config.global_batch_size)

@@ -41,8 +41,9 @@ _RUNTIME_EVENTS = ("ThunkExecutor", "SlinkyThreadPool", "ThreadpoolListener")
 
 def op_names(hlo_text: str) -> dict[str, str]:
     """`{HLO instruction name: the op_name metadata JAX gave it}` from a compiled module's text."""
-    return {m.group(1): m.group(2)
-            for m in re.finditer(r"^\s*%?(\S+) = .*?metadata=\{op_name=\"([^\"]*)\"", hlo_text, re.M)}
+    return {
+        m.group(1): m.group(2) for m in re.finditer(r"^\s*%?(\S+) = .*?metadata=\{op_name=\"([^\"]*)\"", hlo_text, re.M)
+    }
 
 
 def attribute(op_name: str, event_name: str) -> tuple[str, str, str]:
@@ -87,23 +88,25 @@ def main(argv: list[str]) -> None:
     jax.profiler.start_trace(trace_dir)
     seconds = step.run(_STEPS.value)
     jax.profiler.stop_trace()
-    xspaces = sorted(glob.glob(os.path.join(trace_dir, "plugins", "profile", "*", "*.xplane.pb")),
-                     key=os.path.getmtime)
+    xspaces = sorted(glob.glob(os.path.join(trace_dir, "plugins", "profile", "*", "*.xplane.pb")), key=os.path.getmtime)
     groups = summarize(xspaces[-1], op_names(step.compiled.as_text()), _STEPS.value)
     total = sum(ms for _, ms in groups) or 1.0
     by_part = collections.Counter()
     for (part, _, _), ms in groups:
         by_part[part] += ms
-    rows = [(part, direction, op, ms, 100 * ms / total) for (part, direction, op), ms in groups[:_TOP.value]]
+    rows = [(part, direction, op, ms, 100 * ms / total) for (part, direction, op), ms in groups[: _TOP.value]]
     height, width = config.input.image_size
     report.emit(
         "profile_step",
         f"Where the train step's time goes: {1000 * seconds:.0f} ms/step wall, {total:.0f} ms op time "
         f"(global batch {config.global_batch_size}, image {height}x{width}); trace in {trace_dir}",
-        ["part", "pass", "operation", "op ms/step", "% of op time"], rows,
-        extra={"step_ms": 1000 * seconds, "op_ms": total, "by_part": dict(by_part)})
-    print("op time by model part: " + ", ".join(f"{part} {100 * ms / total:.0f}%" for part, ms in
-                                                by_part.most_common()))
+        ["part", "pass", "operation", "op ms/step", "% of op time"],
+        rows,
+        extra={"step_ms": 1000 * seconds, "op_ms": total, "by_part": dict(by_part)},
+    )
+    print(
+        "op time by model part: " + ", ".join(f"{part} {100 * ms / total:.0f}%" for part, ms in by_part.most_common())
+    )
 
 
 if __name__ == "__main__":

@@ -12,8 +12,9 @@ from typing import Any
 
 from absl import flags
 
-_OUTPUT_DIR = flags.DEFINE_string("output_dir", "benchmark_results",
-                                  "Directory for the JSON copy of the table (NAME.json).")
+_OUTPUT_DIR = flags.DEFINE_string(
+    "output_dir", "benchmark_results", "Directory for the JSON copy of the table (NAME.json)."
+)
 
 
 def cpu_model() -> str:
@@ -55,13 +56,21 @@ def markdown(columns: Sequence[str], rows: Sequence[Sequence[Any]]) -> str:
     return "\n".join(lines)
 
 
-def emit(name: str, title: str, columns: Sequence[str], rows: Sequence[Sequence[Any]],
-         extra: dict[str, Any] | None = None, versions: dict[str, str] | None = None) -> str:
+def emit(
+    name: str,
+    title: str,
+    columns: Sequence[str],
+    rows: Sequence[Sequence[Any]],
+    extra: dict[str, Any] | None = None,
+    versions: dict[str, str] | None = None,
+) -> str:
     """Prints `title` and the table; writes `--output_dir/NAME.json`. Returns the JSON path."""
     described = machine(versions)
     print(f"\n{title}\n")
-    print(f"machine: {described['cpu']}, {described['cpu_cores']} cores; devices: {described['devices']}; "
-          f"jax {described['jax']}" + (f", torch {described['torch']}" if "torch" in described else "") + "\n")
+    print(
+        f"machine: {described['cpu']}, {described['cpu_cores']} cores; devices: {described['devices']}; "
+        f"jax {described['jax']}" + (f", torch {described['torch']}" if "torch" in described else "") + "\n"
+    )
     print(markdown(columns, rows), flush=True)
     os.makedirs(_OUTPUT_DIR.value, exist_ok=True)
     path = os.path.join(_OUTPUT_DIR.value, f"{name}.json")
@@ -69,7 +78,7 @@ def emit(name: str, title: str, columns: Sequence[str], rows: Sequence[Sequence[
         "benchmark": name,
         "title": title,
         "command": " ".join([os.path.basename(sys.executable), "-m", f"benchmarks.{name}", *sys.argv[1:]]),
-        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
         "machine": described,
         "columns": list(columns),
         "rows": [dict(zip(columns, row)) for row in rows],

@@ -64,8 +64,10 @@ def main(argv: list[str]) -> None:
         raise app.UsageError(f"--shapes={','.join(unknown)}: use data, fsdp or model")
     device_counts = [int(n) for n in _DEVICE_COUNTS.value]
     if max(device_counts) > jax.device_count():
-        raise app.UsageError(f"--device_counts asks for {max(device_counts)} devices but {jax.device_count()} "
-                             "exist; on a CPU host pass --devices=N")
+        raise app.UsageError(
+            f"--device_counts asks for {max(device_counts)} devices but {jax.device_count()} "
+            "exist; on a CPU host pass --devices=N"
+        )
     rows = []
     for sizes in mesh_shapes(device_counts, _SHAPES.value):
         count = sizes[0] * sizes[1] * sizes[2]
@@ -75,11 +77,19 @@ def main(argv: list[str]) -> None:
         seconds = step.run(_STEPS.value)
         plan = step.plan
         moved = plan.collective_summary
-        rows.append((",".join(map(str, sizes)), count, config.global_batch_size // (sizes[0] * sizes[1]),
-                     (plan.params_bytes + plan.opt_state_bytes) / 2**20, plan.total_bytes / 2**20,
-                     *(moved[kind].bytes / 2**20 for kind in COLLECTIVE_KINDS),
-                     sum(moved[kind].bytes for kind in COLLECTIVE_KINDS) / 2**20,
-                     1000 * seconds, config.global_batch_size / seconds))
+        rows.append(
+            (
+                ",".join(map(str, sizes)),
+                count,
+                config.global_batch_size // (sizes[0] * sizes[1]),
+                (plan.params_bytes + plan.opt_state_bytes) / 2**20,
+                plan.total_bytes / 2**20,
+                *(moved[kind].bytes / 2**20 for kind in COLLECTIVE_KINDS),
+                sum(moved[kind].bytes for kind in COLLECTIVE_KINDS) / 2**20,
+                1000 * seconds,
+                config.global_batch_size / seconds,
+            )
+        )
         print(f"mesh {sizes}: {1000 * seconds:.0f} ms/step", flush=True)
         del step
         gc.collect()
@@ -88,9 +98,19 @@ def main(argv: list[str]) -> None:
         "scaling",
         f"Train step on 1-{max(device_counts)} devices: per-device memory, collective MiB per step, step time "
         f"(global batch {config.global_batch_size}, image {height}x{width}, model.dtype={config.model.dtype})",
-        ["mesh (data,fsdp,model)", "devices", "per-device batch", "params+opt MiB/device", "step MiB/device",
-         *(f"{kind} MiB" for kind in COLLECTIVE_KINDS), "collectives MiB/device", "step ms", "images/s"],
-        rows)
+        [
+            "mesh (data,fsdp,model)",
+            "devices",
+            "per-device batch",
+            "params+opt MiB/device",
+            "step MiB/device",
+            *(f"{kind} MiB" for kind in COLLECTIVE_KINDS),
+            "collectives MiB/device",
+            "step ms",
+            "images/s",
+        ],
+        rows,
+    )
 
 
 if __name__ == "__main__":

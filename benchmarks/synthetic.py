@@ -7,8 +7,9 @@ import numpy as np
 BOXES_PER_IMAGE = 7  # COCO's average
 
 
-def random_batch(config, num_classes: int, seed: int = 0,
-                 boxes_per_image: int = BOXES_PER_IMAGE) -> dict[str, np.ndarray]:
+def random_batch(
+    config, num_classes: int, seed: int = 0, boxes_per_image: int = BOXES_PER_IMAGE
+) -> dict[str, np.ndarray]:
     """One global batch of `config`: normalized images `[B, H, W, 3]`, yxyx pixel boxes, labels, masks."""
     rng = np.random.default_rng(seed)
     b = config.global_batch_size

@@ -40,13 +40,19 @@ _IMAGE_SIZE = flags.DEFINE_integer("image_size", 512, "Square input size in pixe
 _STEPS = flags.DEFINE_integer("steps", 2, "Train steps per timed run.")
 _REPEATS = flags.DEFINE_integer("repeats", 3, "Timed runs per framework; the median is reported.")
 _NUM_CLASSES = flags.DEFINE_integer("num_classes", 80, "Classes of the detection head.")
-_PRECISION = flags.DEFINE_enum("precision", "auto", ["auto", "float32", "bfloat16"],
-                               "Compute precision; auto: bfloat16 on a GPU, float32 on a CPU.")
+_PRECISION = flags.DEFINE_enum(
+    "precision",
+    "auto",
+    ["auto", "float32", "bfloat16"],
+    "Compute precision; auto: bfloat16 on a GPU, float32 on a CPU.",
+)
 _WORKER = flags.DEFINE_enum("worker", None, ["jax", "torch"], "Internal: run as a worker process.")
 _BATCH_SIZE = flags.DEFINE_integer("batch_size", 2, "Internal: the worker's global batch size.")
 
-INSTALL_HINT = ("torch and torchvision are not installed; install them with `pip install -e \".[bench]\"` "
-                "(several GB; for a CPU-only machine PyTorch's CPU wheels are much smaller)")
+INSTALL_HINT = (
+    'torch and torchvision are not installed; install them with `pip install -e ".[bench]"` '
+    "(several GB; for a CPU-only machine PyTorch's CPU wheels are much smaller)"
+)
 
 
 # ----------------------------------------------------------------------------- workers
@@ -81,8 +87,17 @@ def our_config(batch_size: int, image_size: int, precision: str):
     config.model.head_norm = "none"
     config.model.dtype = precision
     config.mesh.update(dict(data=-1, fsdp=1, model=1))
-    config.optimizer.update(dict(name="sgd", learning_rate=0.01, momentum=0.9, weight_decay=1e-4,
-                                 warmup_steps=0, schedule="cosine", grad_clip_norm=0.0))
+    config.optimizer.update(
+        dict(
+            name="sgd",
+            learning_rate=0.01,
+            momentum=0.9,
+            weight_decay=1e-4,
+            warmup_steps=0,
+            schedule="cosine",
+            grad_clip_norm=0.0,
+        )
+    )
     return config
 
 
@@ -92,9 +107,14 @@ def _jax_worker(batch_size: int, precision: str) -> None:
     config = our_config(batch_size, _IMAGE_SIZE.value, precision)
     step = jax_step.build(config, _NUM_CLASSES.value)
     step.run(1)  # first execution: buffer allocation, thread-pool start
-    _serve(step.run, {"compile_seconds": step.plan.compile_seconds,
-                      "gflop_per_device_step": step.plan.flops / 1e9,
-                      "per_device_mib": step.plan.total_bytes / 2**20})
+    _serve(
+        step.run,
+        {
+            "compile_seconds": step.plan.compile_seconds,
+            "gflop_per_device_step": step.plan.flops / 1e9,
+            "per_device_mib": step.plan.total_bytes / 2**20,
+        },
+    )
 
 
 def torchvision_model(num_classes: int, image_size: int):
@@ -130,8 +150,9 @@ def _torch_worker(batch_size: int, precision: str) -> None:
     targets = []
     for boxes, labels, mask in zip(batch["boxes"], batch["labels"], batch["boxes_mask"]):
         boxes_xyxy = torch.as_tensor(boxes[mask][:, [1, 0, 3, 2]], device=device)
-        targets.append({"boxes": boxes_xyxy,
-                        "labels": torch.as_tensor(labels[mask] % (_NUM_CLASSES.value - 1) + 1, device=device)})
+        targets.append(
+            {"boxes": boxes_xyxy, "labels": torch.as_tensor(labels[mask] % (_NUM_CLASSES.value - 1) + 1, device=device)}
+        )
     autocast = torch.autocast(device.type, dtype=torch.bfloat16, enabled=precision == "bfloat16")
 
     def run_steps(num_steps: int) -> float:
@@ -150,8 +171,14 @@ def _torch_worker(batch_size: int, precision: str) -> None:
         return (time.perf_counter() - start) / max(num_steps, 1)
 
     run_steps(1)
-    _serve(run_steps, {"threads": torch.get_num_threads(), "device": str(device),
-                       "trainable_parameters": sum(p.numel() for p in trainable)})
+    _serve(
+        run_steps,
+        {
+            "threads": torch.get_num_threads(),
+            "device": str(device),
+            "trainable_parameters": sum(p.numel() for p in trainable),
+        },
+    )
 
 
 # ----------------------------------------------------------------------------- the comparison
@@ -162,17 +189,25 @@ class _Worker:
 
     def __init__(self, framework: str, batch_size: int, precision: str):
         self.framework = framework
-        command = [sys.executable, "-m", "benchmarks.vs_torchvision", f"--worker={framework}",
-                   f"--batch_size={batch_size}", f"--precision={precision}",
-                   f"--image_size={_IMAGE_SIZE.value}", f"--num_classes={_NUM_CLASSES.value}"]
+        command = [
+            sys.executable,
+            "-m",
+            "benchmarks.vs_torchvision",
+            f"--worker={framework}",
+            f"--batch_size={batch_size}",
+            f"--precision={precision}",
+            f"--image_size={_IMAGE_SIZE.value}",
+            f"--num_classes={_NUM_CLASSES.value}",
+        ]
         self.process = subprocess.Popen(command, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
         self.ready = self._receive()
 
     def _receive(self) -> dict:
         line = self.process.stdout.readline()
         if not line:
-            raise RuntimeError(f"the {self.framework} worker exited with status {self.process.wait()} "
-                               "(its log is above)")
+            raise RuntimeError(
+                f"the {self.framework} worker exited with status {self.process.wait()} (its log is above)"
+            )
         return json.loads(line)
 
     def run(self, num_steps: int) -> float:
@@ -218,23 +253,50 @@ def main(argv: list[str]) -> None:
                 for worker in order:
                     seconds = worker.run(_STEPS.value)
                     times[worker.framework].append(seconds)
-                    print(f"batch {batch_size}, run {repeat + 1}: {worker.framework} "
-                          f"{batch_size / seconds:.3f} images/s", flush=True)
+                    print(
+                        f"batch {batch_size}, run {repeat + 1}: {worker.framework} {batch_size / seconds:.3f} images/s",
+                        flush=True,
+                    )
         finally:
             ours.close()
             theirs.close()
         ours_ips = batch_size / statistics.median(times["jax"])
         theirs_ips = batch_size / statistics.median(times["torch"])
-        rows.append((batch_size, f"{_IMAGE_SIZE.value}x{_IMAGE_SIZE.value}", precision, ours_ips, theirs_ips,
-                     ours_ips / theirs_ips, statistics.median(times["jax"]), statistics.median(times["torch"]),
-                     ours.ready["compile_seconds"], ours.ready["per_device_mib"]))
+        rows.append(
+            (
+                batch_size,
+                f"{_IMAGE_SIZE.value}x{_IMAGE_SIZE.value}",
+                precision,
+                ours_ips,
+                theirs_ips,
+                ours_ips / theirs_ips,
+                statistics.median(times["jax"]),
+                statistics.median(times["torch"]),
+                ours.ready["compile_seconds"],
+                ours.ready["per_device_mib"],
+            )
+        )
         runs[str(batch_size)] = {"seconds_per_step": times, "ours": ours.ready, "torchvision": theirs.ready}
-    report.emit("vs_torchvision",
-                f"RetinaNet R50-FPN train step, ours (JAX) vs torchvision: median of {_REPEATS.value} runs "
-                f"of {_STEPS.value} steps, {_NUM_CLASSES.value} classes",
-                ["batch", "image", "precision", "ours images/s", "torchvision images/s", "ratio (ours/tv)",
-                 "ours s/step", "torchvision s/step", "ours compile s", "ours per-device MiB"],
-                rows, extra={"runs": runs}, versions=versions)
+    report.emit(
+        "vs_torchvision",
+        f"RetinaNet R50-FPN train step, ours (JAX) vs torchvision: median of {_REPEATS.value} runs "
+        f"of {_STEPS.value} steps, {_NUM_CLASSES.value} classes",
+        [
+            "batch",
+            "image",
+            "precision",
+            "ours images/s",
+            "torchvision images/s",
+            "ratio (ours/tv)",
+            "ours s/step",
+            "torchvision s/step",
+            "ours compile s",
+            "ours per-device MiB",
+        ],
+        rows,
+        extra={"runs": runs},
+        versions=versions,
+    )
 
 
 if __name__ == "__main__":

@@ -107,9 +107,17 @@ def get_config() -> ml_collections.ConfigDict:
     #  * pretrained: backbone weights to start from, "" for none: a torchvision
     #    ResNet state dict (.pth/.pt/.safetensors/.npz) or the .npz that
     #    `python -m detector.convert_pretrained` writes (BatchNorm weights: norm="frozen_bn").
-    config.model.backbone = ml_collections.ConfigDict(dict(
-        name="resnet", stage_sizes=(1, 1, 1, 1), width=16, block="basic",
-        norm="group", freeze_stages=0, pretrained=""))
+    config.model.backbone = ml_collections.ConfigDict(
+        dict(
+            name="resnet",
+            stage_sizes=(1, 1, 1, 1),
+            width=16,
+            block="basic",
+            norm="group",
+            freeze_stages=0,
+            pretrained="",
+        )
+    )
     config.model.fpn_features = 64
     config.model.head_convs = 2
     config.model.head_features = 64
@@ -117,8 +125,9 @@ def get_config() -> ml_collections.ConfigDict:
     # level) or "none" (the original RetinaNet's, torchvision's and
     # detectron2's head: convolutions with biases only).
     config.model.head_norm = "group"
-    config.model.anchors = ml_collections.ConfigDict(dict(
-        min_level=3, max_level=5, num_scales=3, aspect_ratios=(0.5, 1.0, 2.0), anchor_size=2.0))
+    config.model.anchors = ml_collections.ConfigDict(
+        dict(min_level=3, max_level=5, num_scales=3, aspect_ratios=(0.5, 1.0, 2.0), anchor_size=2.0)
+    )
 
     config.loss = ml_collections.ConfigDict()
     config.loss.positive_iou = 0.5
@@ -131,8 +140,9 @@ def get_config() -> ml_collections.ConfigDict:
     config.loss.box_loss_weight = 1.0
     config.loss.box_coder_weights = (1.0, 1.0, 1.0, 1.0)
 
-    config.postprocess = ml_collections.ConfigDict(dict(
-        pre_nms_top_k=1000, score_threshold=0.05, iou_threshold=0.5, max_detections=100))
+    config.postprocess = ml_collections.ConfigDict(
+        dict(pre_nms_top_k=1000, score_threshold=0.05, iou_threshold=0.5, max_detections=100)
+    )
 
     config.optimizer = ml_collections.ConfigDict()
     config.optimizer.name = "adamw"

@@ -18,15 +18,23 @@ from ml_collections import config_flags
 
 from detector.errors import ConfigError, TrainingError, WeightsFileError
 from input_pipeline import DatasetError
-from sharding import MeshError
-from sharding import distributed
+from sharding import MeshError, distributed
 from sharding.distributed import DistributedError
 
 flags.DEFINE_bool("verbose", False, "Show full tracebacks for errors.")
 
 # Errors that describe bad input, not bugs: reported as one line.
-USER_ERRORS = (ConfigError, DatasetError, DistributedError, MeshError, TrainingError, WeightsFileError,
-               FileNotFoundError, NotADirectoryError, PermissionError)
+USER_ERRORS = (
+    ConfigError,
+    DatasetError,
+    DistributedError,
+    MeshError,
+    TrainingError,
+    WeightsFileError,
+    FileNotFoundError,
+    NotADirectoryError,
+    PermissionError,
+)
 
 EXIT_USAGE = 2
 EXIT_ERROR = 1
@@ -80,8 +88,9 @@ def use_fake_cpu_devices(count: int) -> None:
 
     Must run before JAX initialises its backend (its first device query).
     """
-    flags_kept = [f for f in os.environ.get("XLA_FLAGS", "").split()
-                  if not f.startswith("--xla_force_host_platform_device_count")]
+    flags_kept = [
+        f for f in os.environ.get("XLA_FLAGS", "").split() if not f.startswith("--xla_force_host_platform_device_count")
+    ]
     os.environ["XLA_FLAGS"] = " ".join(flags_kept + [f"--xla_force_host_platform_device_count={count}"])
     os.environ["JAX_PLATFORMS"] = "cpu"
 

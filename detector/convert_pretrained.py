@@ -16,8 +16,8 @@ from __future__ import annotations
 from absl import flags
 
 from detector import cli
-from detector.models import weight_import
 from detector.errors import ConfigError
+from detector.models import weight_import
 
 _INPUT = flags.DEFINE_string("input", None, "torchvision ResNet state dict: .pth, .pt, .safetensors or .npz.")
 _OUTPUT = flags.DEFINE_string("output", None, "Where to write the converted backbone (.npz).")
@@ -28,8 +28,9 @@ def main(argv: list[str]) -> None:
     if len(argv) > 1:
         raise ConfigError(f"unexpected arguments: {' '.join(argv[1:])}; pass options as --flag=value")
     if not _OUTPUT.value.endswith(".npz"):
-        raise ConfigError(f"--output={_OUTPUT.value}: the converted backbone is written as .npz; "
-                          "give a name ending in .npz")
+        raise ConfigError(
+            f"--output={_OUTPUT.value}: the converted backbone is written as .npz; give a name ending in .npz"
+        )
     state_dict = weight_import.read_state_dict(_INPUT.value)
     stage_sizes = weight_import.torchvision_stage_sizes(state_dict)
     backbone = weight_import.flatten_backbone_params(weight_import.convert_torchvision_resnet(state_dict, stage_sizes))
@@ -43,11 +44,15 @@ def main(argv: list[str]) -> None:
     width = backbone["stem_conv/kernel"].shape[-1]
     num_values = sum(value.size for value in backbone.values())
     print(f"{_INPUT.value}: ResNet with {block} blocks, stage sizes {stage_sizes}, width {width}")
-    print(f"converted {len(state_dict) - len(ignored)} tensors into {len(backbone)} arrays "
-          f"({num_values / 1e6:.2f}M values; BatchNorms folded into frozen scale/bias)")
+    print(
+        f"converted {len(state_dict) - len(ignored)} tensors into {len(backbone)} arrays "
+        f"({num_values / 1e6:.2f}M values; BatchNorms folded into frozen scale/bias)"
+    )
     print(f"ignored: {ignored_text or 'nothing'}")
-    print(f"wrote {_OUTPUT.value}; train with --config.model.backbone.norm=frozen_bn "
-          f"--config.model.backbone.pretrained={_OUTPUT.value}")
+    print(
+        f"wrote {_OUTPUT.value}; train with --config.model.backbone.norm=frozen_bn "
+        f"--config.model.backbone.pretrained={_OUTPUT.value}"
+    )
 
 
 if __name__ == "__main__":

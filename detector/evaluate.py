@@ -20,8 +20,9 @@ from detector.serving.predictor import evaluate_workdir
 from sharding import distributed
 
 _CONFIG, _WORKDIR, _CHECKPOINT = cli.define_trained_run_flags()
-_OUTPUT = flags.DEFINE_string("output", None, "Directory for metrics.json and detections.json "
-                              "(default WORKDIR/evaluation/STEP).")
+_OUTPUT = flags.DEFINE_string(
+    "output", None, "Directory for metrics.json and detections.json (default WORKDIR/evaluation/STEP)."
+)
 distributed.define_flags()
 
 

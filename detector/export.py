@@ -26,15 +26,16 @@ from absl import flags
 from etils import epath
 
 from detector import cli
-from detector.serving import artifact
 from detector.errors import ConfigError
+from detector.serving import artifact
 from detector.serving.predictor import load_predictor
 from sharding import distributed
 
 _CONFIG, _WORKDIR, _CHECKPOINT = cli.define_trained_run_flags()
 _BATCH_SIZE = flags.DEFINE_integer("batch_size", 1, "Images per call of the exported program (fixed).")
-_OUTPUT = flags.DEFINE_string("output", None, "Directory for model.jax_exported and model.json "
-                              "(default WORKDIR/export/jax).")
+_OUTPUT = flags.DEFINE_string(
+    "output", None, "Directory for model.jax_exported and model.json (default WORKDIR/export/jax)."
+)
 distributed.define_flags()
 
 
@@ -52,8 +53,10 @@ def main(argv: list[str]) -> None:
     directory = artifact.write_artifact(exported, predictor, output)
     written = [directory / artifact.EXPORTED_FILE, directory / artifact.METADATA_FILE]
     sizes = ", ".join(f"{path.name} ({_format_size(path.stat().length)})" for path in written)
-    message = (f"exported step {predictor.step} ({_CHECKPOINT.value}) for batches of {_BATCH_SIZE.value} "
-               f"on {'/'.join(exported.platforms)} to {directory}: {sizes}")
+    message = (
+        f"exported step {predictor.step} ({_CHECKPOINT.value}) for batches of {_BATCH_SIZE.value} "
+        f"on {'/'.join(exported.platforms)} to {directory}: {sizes}"
+    )
     print(message, flush=True)
 
 

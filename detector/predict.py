@@ -26,8 +26,9 @@ from sharding import distributed
 _CONFIG, _WORKDIR, _CHECKPOINT = cli.define_trained_run_flags()
 _OUTPUT = flags.DEFINE_string("output", None, "Directory for detections.json, images.json and the pictures.")
 _SCORE_THRESHOLD = flags.DEFINE_float("score_threshold", 0.3, "Detections scoring less are dropped.")
-_MAX_DETECTIONS = flags.DEFINE_integer("max_detections", None, "Detections per image at most "
-                                       "(default: the config's postprocess.max_detections).")
+_MAX_DETECTIONS = flags.DEFINE_integer(
+    "max_detections", None, "Detections per image at most (default: the config's postprocess.max_detections)."
+)
 _BATCH_SIZE = flags.DEFINE_integer("batch_size", None, "Images per global batch (default: eval_batch_size).")
 flags.mark_flag_as_required("output")
 distributed.define_flags()
@@ -36,8 +37,10 @@ distributed.define_flags()
 def main(argv: list[str]) -> None:
     inputs = argv[1:]
     if not inputs:
-        raise ConfigError("no images given: pass image files or folders after the flags, e.g. "
-                          "python -m detector.predict --config=... --workdir=... --output=OUT photos/")
+        raise ConfigError(
+            "no images given: pass image files or folders after the flags, e.g. "
+            "python -m detector.predict --config=... --workdir=... --output=OUT photos/"
+        )
     cli.start(argv, takes_arguments=True)
     config = _CONFIG.value
     if not 0.0 <= _SCORE_THRESHOLD.value <= 1.0:

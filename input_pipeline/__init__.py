@@ -17,21 +17,20 @@ Public API:
 """
 
 from input_pipeline.dataset_errors import DatasetError
-from input_pipeline.datasets import DatasetInfo
-from input_pipeline.datasets.cache import format_counts
+from input_pipeline.datasets import DatasetInfo, get_dataset_info, prepare_split
 from input_pipeline.datasets import eval_ground_truth as coco_ground_truth
-from input_pipeline.datasets import get_dataset_info
-from input_pipeline.datasets import prepare_split
-from input_pipeline.global_batch import process_rows
-from input_pipeline.global_batch import to_global_batch
-from input_pipeline.pipeline import create_eval_iterator
-from input_pipeline.pipeline import create_train_iterator
-from input_pipeline.pipeline import EvalIterator
-from input_pipeline.pipeline import InputCounts
-from input_pipeline.pipeline import local_batch_size
-from input_pipeline.pipeline import num_threads
-from input_pipeline.pipeline import TrainIterator
-from input_pipeline.pipeline import with_batch_size
+from input_pipeline.datasets.cache import format_counts
+from input_pipeline.global_batch import process_rows, to_global_batch
+from input_pipeline.pipeline import (
+    EvalIterator,
+    InputCounts,
+    TrainIterator,
+    create_eval_iterator,
+    create_train_iterator,
+    local_batch_size,
+    num_threads,
+    with_batch_size,
+)
 
 __all__ = [
     "DatasetError",

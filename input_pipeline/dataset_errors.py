@@ -2,4 +2,4 @@
 
 
 class DatasetError(ValueError):
-  """A dataset cannot be used as configured; the message says how to fix it."""
+    """A dataset cannot be used as configured; the message says how to fix it."""

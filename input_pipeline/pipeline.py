@@ -35,16 +35,15 @@ from __future__ import annotations
 import collections
 import math
 import os
-from typing import Iterator, NamedTuple
+from collections.abc import Iterator
+from typing import NamedTuple
 
 import jax
 import ml_collections
 import numpy as np
 import tensorflow as tf
 
-from input_pipeline import datasets
-from input_pipeline import records
-from input_pipeline import transforms
+from input_pipeline import datasets, records, transforms
 from input_pipeline.dataset_errors import DatasetError
 
 Batch = dict[str, np.ndarray]
@@ -57,333 +56,333 @@ _MIN_EXAMPLES_FOR_BAD_CHECK = 256
 
 
 def local_batch_size(config, process_count: int | None = None) -> int:
-  """global_batch_size // process_count; DatasetError if not divisible."""
-  if process_count is None:
-    process_count = jax.process_count()
-  global_batch = int(config.global_batch_size)
-  if global_batch <= 0 or global_batch % process_count:
-    raise DatasetError(
-        f"global_batch_size {global_batch} must be a positive multiple of the "
-        f"number of processes ({process_count})")
-  return global_batch // process_count
+    """global_batch_size // process_count; DatasetError if not divisible."""
+    if process_count is None:
+        process_count = jax.process_count()
+    global_batch = int(config.global_batch_size)
+    if global_batch <= 0 or global_batch % process_count:
+        raise DatasetError(
+            f"global_batch_size {global_batch} must be a positive multiple of the number of processes ({process_count})"
+        )
+    return global_batch // process_count
 
 
 def num_threads(config) -> int:
-  """tf.data's threads: `input.num_threads`, by default half the host's cores (1 to 16)."""
-  return int(config.input.get("num_threads", None) or max(
-      1, min(16, (os.cpu_count() or 2) // 2)))
+    """tf.data's threads: `input.num_threads`, by default half the host's cores (1 to 16)."""
+    return int(config.input.get("num_threads", None) or max(1, min(16, (os.cpu_count() or 2) // 2)))
 
 
 def _options(config) -> tf.data.Options:
-  options = tf.data.Options()
-  # A private pool bounds how many cores tf.data takes from the trainer.
-  options.threading.private_threadpool_size = num_threads(config)
-  options.threading.max_intra_op_parallelism = 1
-  options.deterministic = True
-  return options
+    options = tf.data.Options()
+    # A private pool bounds how many cores tf.data takes from the trainer.
+    options.threading.private_threadpool_size = num_threads(config)
+    options.threading.max_intra_op_parallelism = 1
+    options.deterministic = True
+    return options
 
 
-def _rows(config, first_row: int | None, process_count: int | None
-          ) -> tuple[int, int]:
-  """(first global row of this process's part of a batch, rows per process)."""
-  batch = local_batch_size(config, process_count)
-  if first_row is None:
-    first_row = jax.process_index() * batch
-  if not 0 <= first_row <= int(config.global_batch_size) - batch:
-    raise ValueError(f"first_row {first_row} outside a global batch of "
-                     f"{config.global_batch_size} with {batch} rows per process")
-  return int(first_row), batch
+def _rows(config, first_row: int | None, process_count: int | None) -> tuple[int, int]:
+    """(first global row of this process's part of a batch, rows per process)."""
+    batch = local_batch_size(config, process_count)
+    if first_row is None:
+        first_row = jax.process_index() * batch
+    if not 0 <= first_row <= int(config.global_batch_size) - batch:
+        raise ValueError(
+            f"first_row {first_row} outside a global batch of {config.global_batch_size} with {batch} rows per process"
+        )
+    return int(first_row), batch
 
 
-def _local_positions(start_position: int, global_batch: int, first_row: int,
-                     batch: int, num_batches: int | None) -> tf.data.Dataset:
-  """int64 positions this process reads, batch after batch (endless if None)."""
-  steps = tf.data.Dataset.range(num_batches if num_batches is not None else 2**62)
-  offsets = tf.range(batch, dtype=tf.int64)
-  return steps.map(lambda t: start_position + t * global_batch + first_row + offsets)
+def _local_positions(
+    start_position: int, global_batch: int, first_row: int, batch: int, num_batches: int | None
+) -> tf.data.Dataset:
+    """int64 positions this process reads, batch after batch (endless if None)."""
+    steps = tf.data.Dataset.range(num_batches if num_batches is not None else 2**62)
+    offsets = tf.range(batch, dtype=tf.int64)
+    return steps.map(lambda t: start_position + t * global_batch + first_row + offsets)
 
 
-def _read_records(reader: "datasets.cache.RecordReader", record_ids: tf.Tensor
-                  ) -> tf.Tensor:
-  """string [n]: serialized records for int64 [n] ids; b'' where id < 0."""
+def _read_records(reader: datasets.cache.RecordReader, record_ids: tf.Tensor) -> tf.Tensor:
+    """string [n]: serialized records for int64 [n] ids; b'' where id < 0."""
 
-  def read(ids):
-    out = np.full(ids.shape, b"", dtype=object)
-    valid = ids >= 0
-    if valid.any():
-      out[valid] = reader.read(ids[valid])
-    return out
+    def read(ids):
+        out = np.full(ids.shape, b"", dtype=object)
+        valid = ids >= 0
+        if valid.any():
+            out[valid] = reader.read(ids[valid])
+        return out
 
-  serialized = tf.numpy_function(read, [record_ids], tf.string, stateful=False)
-  return tf.ensure_shape(serialized, record_ids.shape)
+    serialized = tf.numpy_function(read, [record_ids], tf.string, stateful=False)
+    return tf.ensure_shape(serialized, record_ids.shape)
 
 
 def _masked_example(opts: transforms.TransformOptions, decode_failed) -> dict:
-  """An empty, masked example in the pipeline's output layout."""
-  h, w = opts.image_size
-  return {
-      "image": tf.zeros([h, w, 3], tf.float32),
-      "boxes": tf.zeros([opts.max_boxes, 4], tf.float32),
-      "labels": -tf.ones([opts.max_boxes], tf.int32),
-      "boxes_mask": tf.zeros([opts.max_boxes], tf.bool),
-      "image_id": tf.constant(-1, tf.int32),
-      "scale": tf.constant(1.0, tf.float32),  # Safe to divide by.
-      "original_size": tf.zeros([2], tf.int32),
-      "example_mask": tf.constant(False),
-      "boxes_truncated": tf.constant(False),
-      "decode_failed": tf.cast(decode_failed, tf.bool),
-  }
+    """An empty, masked example in the pipeline's output layout."""
+    h, w = opts.image_size
+    return {
+        "image": tf.zeros([h, w, 3], tf.float32),
+        "boxes": tf.zeros([opts.max_boxes, 4], tf.float32),
+        "labels": -tf.ones([opts.max_boxes], tf.int32),
+        "boxes_mask": tf.zeros([opts.max_boxes], tf.bool),
+        "image_id": tf.constant(-1, tf.int32),
+        "scale": tf.constant(1.0, tf.float32),  # Safe to divide by.
+        "original_size": tf.zeros([2], tf.int32),
+        "example_mask": tf.constant(False),
+        "boxes_truncated": tf.constant(False),
+        "decode_failed": tf.cast(decode_failed, tf.bool),
+    }
 
 
 def _decode(serialized: tf.Tensor) -> dict:
-  """Record -> transforms' input (image uint8 [h, w, 3], boxes, labels, image_id).
+    """Record -> transforms' input (image uint8 [h, w, 3], boxes, labels, image_id).
 
-  Crowd / ignore regions are no training targets: they are dropped here
-  (evaluation reads them from the ground truth instead).
-  """
-  ex = records.parse(serialized)
-  image = tf.io.decode_image(ex["image"], channels=3, dtype=tf.uint8,
-                             expand_animations=False)
-  keep = tf.logical_not(ex["is_crowd"])
-  return {
-      "image": tf.ensure_shape(image, [None, None, 3]),
-      "boxes": tf.boolean_mask(ex["boxes"], keep),
-      "labels": tf.boolean_mask(ex["labels"], keep),
-      "image_id": tf.cast(ex["image_id"], tf.int32),
-  }
+    Crowd / ignore regions are no training targets: they are dropped here
+    (evaluation reads them from the ground truth instead).
+    """
+    ex = records.parse(serialized)
+    image = tf.io.decode_image(ex["image"], channels=3, dtype=tf.uint8, expand_animations=False)
+    keep = tf.logical_not(ex["is_crowd"])
+    return {
+        "image": tf.ensure_shape(image, [None, None, 3]),
+        "boxes": tf.boolean_mask(ex["boxes"], keep),
+        "labels": tf.boolean_mask(ex["labels"], keep),
+        "image_id": tf.cast(ex["image_id"], tf.int32),
+    }
 
 
 def _guarded(transform, opts: transforms.TransformOptions):
-  """Per-example decode + transform that turns a failure into a masked example.
+    """Per-example decode + transform that turns a failure into a masked example.
 
-  tf.data cannot catch an op error inside a map function, but a one-element
-  dataset with ignore_errors() can: it yields the result, or nothing and the
-  fallback that follows it. Slots never move, so batches keep their rows.
-  Any error lands here, not only undecodable bytes; the iterators' check on
-  the decode_failed fraction stops a run where that would hide a bug.
-  """
+    tf.data cannot catch an op error inside a map function, but a one-element
+    dataset with ignore_errors() can: it yields the result, or nothing and the
+    fallback that follows it. Slots never move, so batches keep their rows.
+    Any error lands here, not only undecodable bytes; the iterators' check on
+    the decode_failed fraction stops a run where that would hide a bug.
+    """
 
-  def process(position, record_id, serialized):
-    def run(position, record_id, serialized):
-      tf.debugging.assert_non_negative(record_id)  # Padding takes the fallback.
-      out = transform(_decode(serialized), position)
-      out["decode_failed"] = tf.constant(False)
-      return out
+    def process(position, record_id, serialized):
+        def run(position, record_id, serialized):
+            tf.debugging.assert_non_negative(record_id)  # Padding takes the fallback.
+            out = transform(_decode(serialized), position)
+            out["decode_failed"] = tf.constant(False)
+            return out
 
-    args = (position, record_id, serialized)
-    good = tf.data.Dataset.from_tensors(args).map(run).ignore_errors()
-    fallback = tf.data.Dataset.from_tensors(record_id).map(
-        lambda rid: _masked_example(opts, decode_failed=rid >= 0))
-    return good.concatenate(fallback).take(1)
+        args = (position, record_id, serialized)
+        good = tf.data.Dataset.from_tensors(args).map(run).ignore_errors()
+        fallback = tf.data.Dataset.from_tensors(record_id).map(
+            lambda rid: _masked_example(opts, decode_failed=rid >= 0)
+        )
+        return good.concatenate(fallback).take(1)
 
-  return process
-
-
-def _build(config, positions: tf.data.Dataset, record_of_position, reader,
-           transform, batch: int) -> tf.data.Dataset:
-  opts = transforms.TransformOptions.from_config(config)
-
-  def read(positions):
-    record_ids = record_of_position(positions)
-    return positions, record_ids, _read_records(reader, record_ids)
-
-  ds = positions.map(read, num_parallel_calls=tf.data.AUTOTUNE)
-  ds = ds.unbatch()
-  ds = ds.interleave(
-      _guarded(transform, opts),
-      cycle_length=max(2, int(_options(config).threading.private_threadpool_size)),
-      num_parallel_calls=tf.data.AUTOTUNE, deterministic=True)
-  ds = ds.batch(batch, drop_remainder=True)
-  ds = ds.prefetch(int(config.input.prefetch))
-  return ds.with_options(_options(config))
+    return process
 
 
-def training_record_ids(config, split: "datasets.cache.PreparedSplit") -> np.ndarray:
-  """int64 [N']: records the training stream draws from, in record order.
+def _build(config, positions: tf.data.Dataset, record_of_position, reader, transform, batch: int) -> tf.data.Dataset:
+    opts = transforms.TransformOptions.from_config(config)
 
-  All records, or only those with at least one training box when
-  `dataset.include_negatives` is False.
-  """
-  ids = np.arange(split.num_records, dtype=np.int64)
-  if not bool(config.dataset.get("include_negatives", True)):
-    ids = ids[split.num_training_boxes() > 0]
-  if ids.size == 0:
-    raise DatasetError(
-        "the training split has no image with a box to train on; check the "
-        "annotations or set dataset.include_negatives=True")
-  return ids
+    def read(positions):
+        record_ids = record_of_position(positions)
+        return positions, record_ids, _read_records(reader, record_ids)
 
-
-def train_dataset(config, *, start_position: int = 0,
-                  first_row: int | None = None,
-                  process_count: int | None = None) -> tf.data.Dataset:
-  """Endless tf.data.Dataset of this process's training batches.
-
-  Args:
-    config: the trainer config.
-    start_position: examples of the global stream already consumed (a
-      multiple of global_batch_size when resuming a run at a step).
-    first_row: first row of each global batch this process holds (default:
-      process_index * b; the trainer passes what its mesh says).
-    process_count: defaults to jax's; settable for tests.
-
-  Batches carry the REPORT_KEYS flags besides the keys in the module doc.
-  """
-  first_row, batch = _rows(config, first_row, process_count)
-  split = datasets.prepare_split(config, datasets.TRAIN)
-  train_ids = tf.constant(training_record_ids(config, split))
-  num = tf.constant(int(train_ids.shape[0]), tf.int64)
-  seed = int(config.seed)
-  opts = transforms.TransformOptions.from_config(config)
-
-  def record_of_position(positions):
-    epoch = positions // num
-    # A fresh permutation of the whole split every epoch (stateless, O(1) per
-    # example: no buffer, no dependence on how many hosts read the stream).
-    # The raw op takes one [seed, epoch, 0] row per position (the public
-    # wrapper only pads a single seed vector).
-    seeds = tf.stack([tf.fill(tf.shape(epoch), tf.constant(seed, tf.int64)), epoch,
-                      tf.zeros_like(epoch)], axis=-1)
-    index = tf.raw_ops.RandomIndexShuffle(index=positions % num, seed=seeds,
-                                          max_index=num - 1, rounds=4)
-    return tf.gather(train_ids, index)
-
-  def transform(example, position):
-    example_seed = tf.stack([tf.constant(seed, tf.int64), position])
-    return transforms.train_transform(example, example_seed, opts)
-
-  positions = _local_positions(int(start_position), int(config.global_batch_size),
-                               first_row, batch, None)
-  return _build(config, positions, record_of_position, split.open_reader(),
-                transform, batch)
+    ds = positions.map(read, num_parallel_calls=tf.data.AUTOTUNE)
+    ds = ds.unbatch()
+    ds = ds.interleave(
+        _guarded(transform, opts),
+        cycle_length=max(2, int(_options(config).threading.private_threadpool_size)),
+        num_parallel_calls=tf.data.AUTOTUNE,
+        deterministic=True,
+    )
+    ds = ds.batch(batch, drop_remainder=True)
+    ds = ds.prefetch(int(config.input.prefetch))
+    return ds.with_options(_options(config))
 
 
-def eval_dataset(config, *, first_row: int | None = None,
-                 process_count: int | None = None
-                 ) -> tuple[tf.data.Dataset, int]:
-  """Finite eval dataset of this process's rows and the number of batches.
+def training_record_ids(config, split: datasets.cache.PreparedSplit) -> np.ndarray:
+    """int64 [N']: records the training stream draws from, in record order.
 
-  Every process returns the same number of batches,
-  ceil(num_eval_examples / global_batch_size); positions past the split are
-  masked padding (example_mask False, image_id -1, labels -1).
-  """
-  first_row, batch = _rows(config, first_row, process_count)
-  split = datasets.prepare_split(config, datasets.EVAL)
-  num_batches = math.ceil(split.num_records / int(config.global_batch_size))
-  num = split.num_records
-  opts = transforms.TransformOptions.from_config(config)
+    All records, or only those with at least one training box when
+    `dataset.include_negatives` is False.
+    """
+    ids = np.arange(split.num_records, dtype=np.int64)
+    if not bool(config.dataset.get("include_negatives", True)):
+        ids = ids[split.num_training_boxes() > 0]
+    if ids.size == 0:
+        raise DatasetError(
+            "the training split has no image with a box to train on; check the "
+            "annotations or set dataset.include_negatives=True"
+        )
+    return ids
 
-  def record_of_position(positions):
-    return tf.where(positions < num, positions, -tf.ones_like(positions))
 
-  positions = _local_positions(0, int(config.global_batch_size), first_row,
-                               batch, num_batches)
-  ds = _build(config, positions, record_of_position, split.open_reader(),
-              lambda example, position: transforms.eval_transform(example, opts),
-              batch)
-  return ds, num_batches
+def train_dataset(
+    config, *, start_position: int = 0, first_row: int | None = None, process_count: int | None = None
+) -> tf.data.Dataset:
+    """Endless tf.data.Dataset of this process's training batches.
+
+    Args:
+      config: the trainer config.
+      start_position: examples of the global stream already consumed (a
+        multiple of global_batch_size when resuming a run at a step).
+      first_row: first row of each global batch this process holds (default:
+        process_index * b; the trainer passes what its mesh says).
+      process_count: defaults to jax's; settable for tests.
+
+    Batches carry the REPORT_KEYS flags besides the keys in the module doc.
+    """
+    first_row, batch = _rows(config, first_row, process_count)
+    split = datasets.prepare_split(config, datasets.TRAIN)
+    train_ids = tf.constant(training_record_ids(config, split))
+    num = tf.constant(int(train_ids.shape[0]), tf.int64)
+    seed = int(config.seed)
+    opts = transforms.TransformOptions.from_config(config)
+
+    def record_of_position(positions):
+        epoch = positions // num
+        # A fresh permutation of the whole split every epoch (stateless, O(1) per
+        # example: no buffer, no dependence on how many hosts read the stream).
+        # The raw op takes one [seed, epoch, 0] row per position (the public
+        # wrapper only pads a single seed vector).
+        seeds = tf.stack([tf.fill(tf.shape(epoch), tf.constant(seed, tf.int64)), epoch, tf.zeros_like(epoch)], axis=-1)
+        index = tf.raw_ops.RandomIndexShuffle(index=positions % num, seed=seeds, max_index=num - 1, rounds=4)
+        return tf.gather(train_ids, index)
+
+    def transform(example, position):
+        example_seed = tf.stack([tf.constant(seed, tf.int64), position])
+        return transforms.train_transform(example, example_seed, opts)
+
+    positions = _local_positions(int(start_position), int(config.global_batch_size), first_row, batch, None)
+    return _build(config, positions, record_of_position, split.open_reader(), transform, batch)
+
+
+def eval_dataset(
+    config, *, first_row: int | None = None, process_count: int | None = None
+) -> tuple[tf.data.Dataset, int]:
+    """Finite eval dataset of this process's rows and the number of batches.
+
+    Every process returns the same number of batches,
+    ceil(num_eval_examples / global_batch_size); positions past the split are
+    masked padding (example_mask False, image_id -1, labels -1).
+    """
+    first_row, batch = _rows(config, first_row, process_count)
+    split = datasets.prepare_split(config, datasets.EVAL)
+    num_batches = math.ceil(split.num_records / int(config.global_batch_size))
+    num = split.num_records
+    opts = transforms.TransformOptions.from_config(config)
+
+    def record_of_position(positions):
+        return tf.where(positions < num, positions, -tf.ones_like(positions))
+
+    positions = _local_positions(0, int(config.global_batch_size), first_row, batch, num_batches)
+    ds = _build(
+        config,
+        positions,
+        record_of_position,
+        split.open_reader(),
+        lambda example, position: transforms.eval_transform(example, opts),
+        batch,
+    )
+    return ds, num_batches
 
 
 class InputCounts:
-  """Running counts of what the pipeline masked or cut, per process.
+    """Running counts of what the pipeline masked or cut, per process.
 
-  Attributes:
-    examples: examples yielded (padding excluded).
-    counts: Counter with decode_failed (images that could not be decoded and
-      were masked) and boxes_truncated (images with more boxes than max_boxes).
-  """
+    Attributes:
+      examples: examples yielded (padding excluded).
+      counts: Counter with decode_failed (images that could not be decoded and
+        were masked) and boxes_truncated (images with more boxes than max_boxes).
+    """
 
-  def __init__(self):
-    self.examples = 0
-    self.counts: collections.Counter = collections.Counter()
+    def __init__(self):
+        self.examples = 0
+        self.counts: collections.Counter = collections.Counter()
 
-  def take(self, batch: Batch) -> Batch:
-    """Removes and counts the REPORT_KEYS of `batch`; returns the rest."""
-    padding = (batch["image_id"] < 0) & ~batch["decode_failed"]
-    self.examples += int(np.sum(~padding))
-    for key in REPORT_KEYS:
-      self.counts[key] += int(np.sum(batch[key]))
-    return {k: v for k, v in batch.items() if k not in REPORT_KEYS}
+    def take(self, batch: Batch) -> Batch:
+        """Removes and counts the REPORT_KEYS of `batch`; returns the rest."""
+        padding = (batch["image_id"] < 0) & ~batch["decode_failed"]
+        self.examples += int(np.sum(~padding))
+        for key in REPORT_KEYS:
+            self.counts[key] += int(np.sum(batch[key]))
+        return {k: v for k, v in batch.items() if k not in REPORT_KEYS}
 
 
 class TrainIterator:
-  """This process's training batches, with the stream position and counts.
+    """This process's training batches, with the stream position and counts.
 
-  Attributes:
-    position: global examples consumed after the last batch yielded (what a
-      checkpoint records to resume exactly).
-    input_counts: InputCounts of the batches yielded.
-  """
+    Attributes:
+      position: global examples consumed after the last batch yielded (what a
+        checkpoint records to resume exactly).
+      input_counts: InputCounts of the batches yielded.
+    """
 
-  def __init__(self, config, *, start_position: int = 0,
-               first_row: int | None = None):
-    self._global_batch = int(config.global_batch_size)
-    self._max_bad_fraction = float(config.input.get("max_bad_fraction", 0.5))
-    self.position = int(start_position)
-    self.input_counts = InputCounts()
-    ds = train_dataset(config, start_position=start_position, first_row=first_row)
-    self._batches = ds.as_numpy_iterator()
+    def __init__(self, config, *, start_position: int = 0, first_row: int | None = None):
+        self._global_batch = int(config.global_batch_size)
+        self._max_bad_fraction = float(config.input.get("max_bad_fraction", 0.5))
+        self.position = int(start_position)
+        self.input_counts = InputCounts()
+        ds = train_dataset(config, start_position=start_position, first_row=first_row)
+        self._batches = ds.as_numpy_iterator()
 
-  def __iter__(self):
-    return self
+    def __iter__(self):
+        return self
 
-  def __next__(self) -> Batch:
-    batch = self.input_counts.take(next(self._batches))
-    self.position += self._global_batch
-    seen = self.input_counts.examples
-    failed = self.input_counts.counts["decode_failed"]
-    if seen >= _MIN_EXAMPLES_FOR_BAD_CHECK and failed > self._max_bad_fraction * seen:
-      raise DatasetError(
-          f"{failed} of the {seen} training images read so far could not be decoded "
-          "(corrupt or truncated files); fix the data or raise "
-          f"input.max_bad_fraction (now {self._max_bad_fraction})")
-    return batch
+    def __next__(self) -> Batch:
+        batch = self.input_counts.take(next(self._batches))
+        self.position += self._global_batch
+        seen = self.input_counts.examples
+        failed = self.input_counts.counts["decode_failed"]
+        if seen >= _MIN_EXAMPLES_FOR_BAD_CHECK and failed > self._max_bad_fraction * seen:
+            raise DatasetError(
+                f"{failed} of the {seen} training images read so far could not be decoded "
+                "(corrupt or truncated files); fix the data or raise "
+                f"input.max_bad_fraction (now {self._max_bad_fraction})"
+            )
+        return batch
 
 
-def create_train_iterator(config, *, start_position: int = 0,
-                          first_row: int | None = None) -> TrainIterator:
-  """Endless iterator of this process's training batches (numpy dicts).
+def create_train_iterator(config, *, start_position: int = 0, first_row: int | None = None) -> TrainIterator:
+    """Endless iterator of this process's training batches (numpy dicts).
 
-  Args:
-    config: the trainer config.
-    start_position: global examples already consumed (resuming a run).
-    first_row: first global-batch row this process holds (see train_dataset).
-  """
-  return TrainIterator(config, start_position=start_position, first_row=first_row)
+    Args:
+      config: the trainer config.
+      start_position: global examples already consumed (resuming a run).
+      first_row: first global-batch row this process holds (see train_dataset).
+    """
+    return TrainIterator(config, start_position=start_position, first_row=first_row)
 
 
 class EvalIterator(NamedTuple):
-  """create_eval_iterator() result; unpacks as (batches, num_batches).
+    """create_eval_iterator() result; unpacks as (batches, num_batches).
 
-  Attributes:
-    batches: iterator over exactly num_batches numpy batches.
-    num_batches: same on every process.
-    input_counts: InputCounts, filled while `batches` is consumed.
-  """
+    Attributes:
+      batches: iterator over exactly num_batches numpy batches.
+      num_batches: same on every process.
+      input_counts: InputCounts, filled while `batches` is consumed.
+    """
 
-  batches: Iterator[Batch]
-  num_batches: int
-  input_counts: InputCounts
+    batches: Iterator[Batch]
+    num_batches: int
+    input_counts: InputCounts
 
 
 def with_batch_size(config, batch_size: int):
-  """A copy of `config` whose pipelines batch by `batch_size` images.
+    """A copy of `config` whose pipelines batch by `batch_size` images.
 
-  The iterators read `global_batch_size`; evaluation at `eval_batch_size` or
-  prediction at any size go through a copy with both set to `batch_size`.
-  """
-  derived = ml_collections.ConfigDict(config.to_dict())
-  derived.global_batch_size = derived.eval_batch_size = int(batch_size)
-  return derived
+    The iterators read `global_batch_size`; evaluation at `eval_batch_size` or
+    prediction at any size go through a copy with both set to `batch_size`.
+    """
+    derived = ml_collections.ConfigDict(config.to_dict())
+    derived.global_batch_size = derived.eval_batch_size = int(batch_size)
+    return derived
 
 
 def create_eval_iterator(config, *, first_row: int | None = None) -> EvalIterator:
-  """One pass over the eval split, every example exactly once over processes.
+    """One pass over the eval split, every example exactly once over processes.
 
-  Usage: `batches, num_batches, _ = create_eval_iterator(config)`. Call it
-  again for the next evaluation.
-  """
-  ds, num_batches = eval_dataset(config, first_row=first_row)
-  counts = InputCounts()
-  batches = (counts.take(b) for b in ds.as_numpy_iterator())
-  return EvalIterator(batches, num_batches, counts)
+    Usage: `batches, num_batches, _ = create_eval_iterator(config)`. Call it
+    again for the next evaluation.
+    """
+    ds, num_batches = eval_dataset(config, first_row=first_row)
+    counts = InputCounts()
+    batches = (counts.take(b) for b in ds.as_numpy_iterator())
+    return EvalIterator(batches, num_batches, counts)

@@ -22,133 +22,125 @@ target, optional colour jitter; boxes follow the pixels through every step.
 from __future__ import annotations
 
 import dataclasses
-from typing import Sequence
+from collections.abc import Sequence
 
 import tensorflow as tf
 
 
 @dataclasses.dataclass(frozen=True)
 class TransformOptions:
-  """Static transform settings (units in the attribute comments).
+    """Static transform settings (units in the attribute comments).
 
-  Attributes:
-    image_size: (H, W) network input size, pixels.
-    max_boxes: boxes per example after padding/truncation.
-    scale_jitter: (min, max) random factor on the fit-to-target scale.
-    horizontal_flip: whether training flips with probability 1/2.
-    mean_rgb: per-channel mean, 0-255 units.
-    std_rgb: per-channel standard deviation, 0-255 units.
-    min_box_size: boxes smaller than this (pixels, either side) after
-      crop/clip are dropped in training.
-    min_visible_fraction: in training, a box whose visible (clipped) area is
-      less than this fraction of its area before clipping (both after the
-      resize) is dropped; in [0, 1], 0 keeps every non-empty box.
-    color_jitter: colour jitter strength in [0, 1] (0 = off); see
-      random_color_jitter.
-  """
+    Attributes:
+      image_size: (H, W) network input size, pixels.
+      max_boxes: boxes per example after padding/truncation.
+      scale_jitter: (min, max) random factor on the fit-to-target scale.
+      horizontal_flip: whether training flips with probability 1/2.
+      mean_rgb: per-channel mean, 0-255 units.
+      std_rgb: per-channel standard deviation, 0-255 units.
+      min_box_size: boxes smaller than this (pixels, either side) after
+        crop/clip are dropped in training.
+      min_visible_fraction: in training, a box whose visible (clipped) area is
+        less than this fraction of its area before clipping (both after the
+        resize) is dropped; in [0, 1], 0 keeps every non-empty box.
+      color_jitter: colour jitter strength in [0, 1] (0 = off); see
+        random_color_jitter.
+    """
 
-  image_size: tuple[int, int]
-  max_boxes: int
-  scale_jitter: tuple[float, float] = (1.0, 1.0)
-  horizontal_flip: bool = True
-  mean_rgb: tuple[float, float, float] = (0.0, 0.0, 0.0)
-  std_rgb: tuple[float, float, float] = (1.0, 1.0, 1.0)
-  min_box_size: float = 0.0
-  min_visible_fraction: float = 0.0
-  color_jitter: float = 0.0
+    image_size: tuple[int, int]
+    max_boxes: int
+    scale_jitter: tuple[float, float] = (1.0, 1.0)
+    horizontal_flip: bool = True
+    mean_rgb: tuple[float, float, float] = (0.0, 0.0, 0.0)
+    std_rgb: tuple[float, float, float] = (1.0, 1.0, 1.0)
+    min_box_size: float = 0.0
+    min_visible_fraction: float = 0.0
+    color_jitter: float = 0.0
 
-  @classmethod
-  def from_config(cls, config) -> "TransformOptions":
-    inp = config.input
-    size = tuple(int(v) for v in inp.image_size)
-    jitter = tuple(float(v) for v in inp.scale_jitter)
-    if len(size) != 2 or min(size) <= 0:
-      raise ValueError(f"input.image_size must be (H, W) > 0, got {size}")
-    if len(jitter) != 2 or not 0 < jitter[0] <= jitter[1]:
-      raise ValueError(
-          f"input.scale_jitter must be 0 < min <= max, got {jitter}")
-    # Optional keys: configs written before they existed keep working.
-    min_visible = float(inp.get("min_visible_fraction", 0.0))
-    color_jitter = float(inp.get("color_jitter", 0.0))
-    for name, value in (("min_visible_fraction", min_visible),
-                        ("color_jitter", color_jitter)):
-      if not 0.0 <= value <= 1.0:  # Also rejects NaN.
-        raise ValueError(f"input.{name} must be in [0, 1], got {value}")
-    return cls(
-        image_size=size,
-        max_boxes=int(inp.max_boxes),
-        scale_jitter=jitter,
-        horizontal_flip=bool(inp.horizontal_flip),
-        mean_rgb=tuple(float(v) for v in inp.mean_rgb),
-        std_rgb=tuple(float(v) for v in inp.std_rgb),
-        min_box_size=float(inp.min_box_size),
-        min_visible_fraction=min_visible,
-        color_jitter=color_jitter,
-    )
+    @classmethod
+    def from_config(cls, config) -> TransformOptions:
+        inp = config.input
+        size = tuple(int(v) for v in inp.image_size)
+        jitter = tuple(float(v) for v in inp.scale_jitter)
+        if len(size) != 2 or min(size) <= 0:
+            raise ValueError(f"input.image_size must be (H, W) > 0, got {size}")
+        if len(jitter) != 2 or not 0 < jitter[0] <= jitter[1]:
+            raise ValueError(f"input.scale_jitter must be 0 < min <= max, got {jitter}")
+        # Optional keys: configs written before they existed keep working.
+        min_visible = float(inp.get("min_visible_fraction", 0.0))
+        color_jitter = float(inp.get("color_jitter", 0.0))
+        for name, value in (("min_visible_fraction", min_visible), ("color_jitter", color_jitter)):
+            if not 0.0 <= value <= 1.0:  # Also rejects NaN.
+                raise ValueError(f"input.{name} must be in [0, 1], got {value}")
+        return cls(
+            image_size=size,
+            max_boxes=int(inp.max_boxes),
+            scale_jitter=jitter,
+            horizontal_flip=bool(inp.horizontal_flip),
+            mean_rgb=tuple(float(v) for v in inp.mean_rgb),
+            std_rgb=tuple(float(v) for v in inp.std_rgb),
+            min_box_size=float(inp.min_box_size),
+            min_visible_fraction=min_visible,
+            color_jitter=color_jitter,
+        )
 
 
 def decode_example(example: dict, *, drop_crowd: bool = False) -> dict:
-  """TFDS COCO-layout example -> common source example.
+    """TFDS COCO-layout example -> common source example.
 
-  Args:
-    example: {'image': encoded string or uint8 [h, w, C], 'image/id': int,
-      'objects': {'bbox': float [N, 4] normalized y0, x0, y1, x1,
-      'label': int [N], optional 'is_crowd': bool [N]}}.
-    drop_crowd: drop boxes whose `objects/is_crowd` is True (if present).
+    Args:
+      example: {'image': encoded string or uint8 [h, w, C], 'image/id': int,
+        'objects': {'bbox': float [N, 4] normalized y0, x0, y1, x1,
+        'label': int [N], optional 'is_crowd': bool [N]}}.
+      drop_crowd: drop boxes whose `objects/is_crowd` is True (if present).
 
-  Returns:
-    {'image': uint8 [h, w, 3], 'boxes': float32 [N, 4] absolute pixels,
-     'labels': int32 [N], 'image_id': int32 []}.
-  """
-  image = example["image"]
-  if image.dtype == tf.string:
-    image = tf.io.decode_image(image, channels=3, dtype=tf.uint8,
-                               expand_animations=False)
-  elif image.shape.rank == 3 and image.shape[-1] == 1:
-    image = tf.image.grayscale_to_rgb(image)
-  image = tf.ensure_shape(tf.cast(image, tf.uint8), [None, None, 3])
-  shape = tf.cast(tf.shape(image)[:2], tf.float32)
-  objects = example["objects"]
-  boxes = tf.reshape(tf.cast(objects["bbox"], tf.float32), [-1, 4])
-  boxes = boxes * tf.tile(shape, [2])[None, :]
-  labels = tf.cast(objects["label"], tf.int32)
-  if drop_crowd and "is_crowd" in objects:
-    keep = tf.logical_not(tf.cast(objects["is_crowd"], tf.bool))
-    boxes = tf.boolean_mask(boxes, keep)
-    labels = tf.boolean_mask(labels, keep)
-  return {
-      "image": image,
-      "boxes": boxes,
-      "labels": labels,
-      "image_id": tf.cast(example["image/id"], tf.int32),
-  }
+    Returns:
+      {'image': uint8 [h, w, 3], 'boxes': float32 [N, 4] absolute pixels,
+       'labels': int32 [N], 'image_id': int32 []}.
+    """
+    image = example["image"]
+    if image.dtype == tf.string:
+        image = tf.io.decode_image(image, channels=3, dtype=tf.uint8, expand_animations=False)
+    elif image.shape.rank == 3 and image.shape[-1] == 1:
+        image = tf.image.grayscale_to_rgb(image)
+    image = tf.ensure_shape(tf.cast(image, tf.uint8), [None, None, 3])
+    shape = tf.cast(tf.shape(image)[:2], tf.float32)
+    objects = example["objects"]
+    boxes = tf.reshape(tf.cast(objects["bbox"], tf.float32), [-1, 4])
+    boxes = boxes * tf.tile(shape, [2])[None, :]
+    labels = tf.cast(objects["label"], tf.int32)
+    if drop_crowd and "is_crowd" in objects:
+        keep = tf.logical_not(tf.cast(objects["is_crowd"], tf.bool))
+        boxes = tf.boolean_mask(boxes, keep)
+        labels = tf.boolean_mask(labels, keep)
+    return {
+        "image": image,
+        "boxes": boxes,
+        "labels": labels,
+        "image_id": tf.cast(example["image/id"], tf.int32),
+    }
 
 
 def flip_boxes_left_right(boxes: tf.Tensor, width) -> tf.Tensor:
-  """Mirrors float32 [N, 4] boxes of an image `width` pixels wide."""
-  y0, x0, y1, x1 = tf.unstack(boxes, axis=-1)
-  width = tf.cast(width, boxes.dtype)
-  return tf.stack([y0, width - x1, y1, width - x0], axis=-1)
+    """Mirrors float32 [N, 4] boxes of an image `width` pixels wide."""
+    y0, x0, y1, x1 = tf.unstack(boxes, axis=-1)
+    width = tf.cast(width, boxes.dtype)
+    return tf.stack([y0, width - x1, y1, width - x0], axis=-1)
 
 
-def random_horizontal_flip(image: tf.Tensor, boxes: tf.Tensor, seed: tf.Tensor
-                           ) -> tuple[tf.Tensor, tf.Tensor]:
-  """Flips image [h, w, C] and boxes [N, 4] together with probability 1/2."""
-  do_flip = tf.random.stateless_uniform([], seed) < 0.5
-  width = tf.shape(image)[1]
-  image = tf.cond(do_flip, lambda: tf.image.flip_left_right(image),
-                  lambda: image)
-  boxes = tf.cond(do_flip, lambda: flip_boxes_left_right(boxes, width),
-                  lambda: boxes)
-  return image, boxes
+def random_horizontal_flip(image: tf.Tensor, boxes: tf.Tensor, seed: tf.Tensor) -> tuple[tf.Tensor, tf.Tensor]:
+    """Flips image [h, w, C] and boxes [N, 4] together with probability 1/2."""
+    do_flip = tf.random.stateless_uniform([], seed) < 0.5
+    width = tf.shape(image)[1]
+    image = tf.cond(do_flip, lambda: tf.image.flip_left_right(image), lambda: image)
+    boxes = tf.cond(do_flip, lambda: flip_boxes_left_right(boxes, width), lambda: boxes)
+    return image, boxes
 
 
-def normalize_image(image: tf.Tensor, mean_rgb: Sequence[float],
-                    std_rgb: Sequence[float]) -> tf.Tensor:
-  """(image - mean) / std in float32; mean/std in 0-255 units."""
-  image = tf.cast(image, tf.float32)
-  return (image - tf.constant(mean_rgb, tf.float32)) / tf.constant(
-      std_rgb, tf.float32)
+def normalize_image(image: tf.Tensor, mean_rgb: Sequence[float], std_rgb: Sequence[float]) -> tf.Tensor:
+    """(image - mean) / std in float32; mean/std in 0-255 units."""
+    image = tf.cast(image, tf.float32)
+    return (image - tf.constant(mean_rgb, tf.float32)) / tf.constant(std_rgb, tf.float32)
 
 
 # Folded into the example seed for the colour jitter, so the four geometric
@@ -157,251 +149,238 @@ _COLOR_SEED_TAG = 0x636F6C
 
 
 def _blend(image: tf.Tensor, other: tf.Tensor, factor: tf.Tensor) -> tf.Tensor:
-  """factor * image + (1 - factor) * other, clipped to [0, 255]."""
-  return tf.clip_by_value(other + factor * (image - other), 0.0, 255.0)
+    """factor * image + (1 - factor) * other, clipped to [0, 255]."""
+    return tf.clip_by_value(other + factor * (image - other), 0.0, 255.0)
 
 
-def random_color_jitter(image: tf.Tensor, seed: tf.Tensor, strength: float
-                        ) -> tf.Tensor:
-  """Random brightness, contrast and saturation (detectron2-style), in order.
+def random_color_jitter(image: tf.Tensor, seed: tf.Tensor, strength: float) -> tf.Tensor:
+    """Random brightness, contrast and saturation (detectron2-style), in order.
 
-  Each factor is uniform in [1 - 0.4 * strength, 1 + 0.4 * strength]:
-  brightness scales the pixels, contrast blends with the image's mean grey
-  level, saturation blends with each pixel's grey level (ITU-R 601 luma);
-  the result is clipped to [0, 255] after each step. Pure function of
-  (image, seed, strength); strength 0 returns `image` unchanged.
+    Each factor is uniform in [1 - 0.4 * strength, 1 + 0.4 * strength]:
+    brightness scales the pixels, contrast blends with the image's mean grey
+    level, saturation blends with each pixel's grey level (ITU-R 601 luma);
+    the result is clipped to [0, 255] after each step. Pure function of
+    (image, seed, strength); strength 0 returns `image` unchanged.
 
-  Args:
-    image: float32 [h, w, 3] RGB, 0-255 units.
-    seed: int32/int64 [2] stateless seed.
-    strength: Python float in [0, 1].
+    Args:
+      image: float32 [h, w, 3] RGB, 0-255 units.
+      seed: int32/int64 [2] stateless seed.
+      strength: Python float in [0, 1].
 
-  Returns:
-    float32 [h, w, 3] RGB in [0, 255].
-  """
-  strength = float(strength)
-  if not 0.0 <= strength <= 1.0:
-    raise ValueError(f"color jitter strength must be in [0, 1], got {strength}")
-  if strength == 0.0:
-    return image
-  image = tf.cast(image, tf.float32)
-  lo, hi = 1.0 - 0.4 * strength, 1.0 + 0.4 * strength
-  seeds = tf.unstack(tf.random.experimental.stateless_split(seed, 3))
-  brightness, contrast, saturation = (
-      tf.random.stateless_uniform([], s, lo, hi) for s in seeds)
-  image = tf.clip_by_value(image * brightness, 0.0, 255.0)
-  grey = tf.tensordot(image, tf.constant([0.299, 0.587, 0.114]), 1)[..., None]
-  image = _blend(image, tf.reduce_mean(grey), contrast)
-  grey = tf.tensordot(image, tf.constant([0.299, 0.587, 0.114]), 1)[..., None]
-  return _blend(image, grey, saturation)
+    Returns:
+      float32 [h, w, 3] RGB in [0, 255].
+    """
+    strength = float(strength)
+    if not 0.0 <= strength <= 1.0:
+        raise ValueError(f"color jitter strength must be in [0, 1], got {strength}")
+    if strength == 0.0:
+        return image
+    image = tf.cast(image, tf.float32)
+    lo, hi = 1.0 - 0.4 * strength, 1.0 + 0.4 * strength
+    seeds = tf.unstack(tf.random.experimental.stateless_split(seed, 3))
+    brightness, contrast, saturation = (tf.random.stateless_uniform([], s, lo, hi) for s in seeds)
+    image = tf.clip_by_value(image * brightness, 0.0, 255.0)
+    grey = tf.tensordot(image, tf.constant([0.299, 0.587, 0.114]), 1)[..., None]
+    image = _blend(image, tf.reduce_mean(grey), contrast)
+    grey = tf.tensordot(image, tf.constant([0.299, 0.587, 0.114]), 1)[..., None]
+    return _blend(image, grey, saturation)
 
 
 def _resize(image: tf.Tensor, scale: tf.Tensor, max_size=None):
-  """Resizes by `scale` (rounded to whole pixels); float32 image, new (h, w)."""
-  hw = tf.cast(tf.shape(image)[:2], tf.float32)
-  new_hw = tf.maximum(tf.cast(tf.round(hw * scale), tf.int32), 1)
-  if max_size is not None:
-    new_hw = tf.minimum(new_hw, tf.constant(max_size, tf.int32))
-  # Antialiasing matters when large photos are shrunk to network size.
-  image = tf.image.resize(tf.cast(image, tf.float32), new_hw,
-                          method=tf.image.ResizeMethod.BILINEAR, antialias=True)
-  return image, new_hw
+    """Resizes by `scale` (rounded to whole pixels); float32 image, new (h, w)."""
+    hw = tf.cast(tf.shape(image)[:2], tf.float32)
+    new_hw = tf.maximum(tf.cast(tf.round(hw * scale), tf.int32), 1)
+    if max_size is not None:
+        new_hw = tf.minimum(new_hw, tf.constant(max_size, tf.int32))
+    # Antialiasing matters when large photos are shrunk to network size.
+    image = tf.image.resize(tf.cast(image, tf.float32), new_hw, method=tf.image.ResizeMethod.BILINEAR, antialias=True)
+    return image, new_hw
 
 
-def _resize_window(image: tf.Tensor, new_hw: tf.Tensor, offset_yx: tf.Tensor,
-                   window_hw: tf.Tensor) -> tf.Tensor:
-  """The window [offset, offset + window) of `image` resized to `new_hw`.
+def _resize_window(image: tf.Tensor, new_hw: tf.Tensor, offset_yx: tf.Tensor, window_hw: tf.Tensor) -> tf.Tensor:
+    """The window [offset, offset + window) of `image` resized to `new_hw`.
 
-  Equals resizing the whole image (bilinear, antialiased, as _resize) and
-  cropping, but computes only the window's pixels: with large-scale jitter
-  the resized image can be 4x the crop, and resizing it all dominated the
-  pipeline's time.
+    Equals resizing the whole image (bilinear, antialiased, as _resize) and
+    cropping, but computes only the window's pixels: with large-scale jitter
+    the resized image can be 4x the crop, and resizing it all dominated the
+    pipeline's time.
 
-  Returns:
-    float32 [window_h, window_w, C].
-  """
-  hw = tf.cast(tf.shape(image)[:2], tf.float32)
-  window = tf.raw_ops.ScaleAndTranslate(
-      images=tf.cast(image, tf.float32)[None], size=window_hw,
-      scale=tf.cast(new_hw, tf.float32) / hw,
-      translation=-tf.cast(offset_yx, tf.float32),
-      kernel_type="triangle", antialias=True)
-  return window[0]
+    Returns:
+      float32 [window_h, window_w, C].
+    """
+    hw = tf.cast(tf.shape(image)[:2], tf.float32)
+    window = tf.raw_ops.ScaleAndTranslate(
+        images=tf.cast(image, tf.float32)[None],
+        size=window_hw,
+        scale=tf.cast(new_hw, tf.float32) / hw,
+        translation=-tf.cast(offset_yx, tf.float32),
+        kernel_type="triangle",
+        antialias=True,
+    )
+    return window[0]
 
 
-def drop_small_boxes(boxes: tf.Tensor, labels: tf.Tensor, min_size: float
-                     ) -> tuple[tf.Tensor, tf.Tensor]:
-  """Keeps boxes whose height and width are > 0 and >= min_size pixels."""
-  h = boxes[:, 2] - boxes[:, 0]
-  w = boxes[:, 3] - boxes[:, 1]
-  keep = (h > 0) & (w > 0) & (h >= min_size) & (w >= min_size)
-  return tf.boolean_mask(boxes, keep), tf.boolean_mask(labels, keep)
+def drop_small_boxes(boxes: tf.Tensor, labels: tf.Tensor, min_size: float) -> tuple[tf.Tensor, tf.Tensor]:
+    """Keeps boxes whose height and width are > 0 and >= min_size pixels."""
+    h = boxes[:, 2] - boxes[:, 0]
+    w = boxes[:, 3] - boxes[:, 1]
+    keep = (h > 0) & (w > 0) & (h >= min_size) & (w >= min_size)
+    return tf.boolean_mask(boxes, keep), tf.boolean_mask(labels, keep)
 
 
 def _area(boxes: tf.Tensor) -> tf.Tensor:
-  return (tf.maximum(boxes[:, 2] - boxes[:, 0], 0.0) *
-          tf.maximum(boxes[:, 3] - boxes[:, 1], 0.0))
+    return tf.maximum(boxes[:, 2] - boxes[:, 0], 0.0) * tf.maximum(boxes[:, 3] - boxes[:, 1], 0.0)
 
 
-def drop_hidden_boxes(boxes: tf.Tensor, clipped_boxes: tf.Tensor,
-                      labels: tf.Tensor, min_visible_fraction: float
-                      ) -> tuple[tf.Tensor, tf.Tensor]:
-  """Drops boxes mostly cut off by a crop.
+def drop_hidden_boxes(
+    boxes: tf.Tensor, clipped_boxes: tf.Tensor, labels: tf.Tensor, min_visible_fraction: float
+) -> tuple[tf.Tensor, tf.Tensor]:
+    """Drops boxes mostly cut off by a crop.
 
-  Args:
-    boxes: float32 [N, 4] boxes before clipping to the visible window.
-    clipped_boxes: float32 [N, 4] the same boxes after clipping (same units).
-    labels: int32 [N].
-    min_visible_fraction: keep a box iff area(clipped) >= this fraction of
-      area(boxes).
+    Args:
+      boxes: float32 [N, 4] boxes before clipping to the visible window.
+      clipped_boxes: float32 [N, 4] the same boxes after clipping (same units).
+      labels: int32 [N].
+      min_visible_fraction: keep a box iff area(clipped) >= this fraction of
+        area(boxes).
 
-  Returns:
-    The kept clipped boxes [M, 4] and their labels [M].
-  """
-  keep = _area(clipped_boxes) >= min_visible_fraction * _area(boxes)
-  return tf.boolean_mask(clipped_boxes, keep), tf.boolean_mask(labels, keep)
+    Returns:
+      The kept clipped boxes [M, 4] and their labels [M].
+    """
+    keep = _area(clipped_boxes) >= min_visible_fraction * _area(boxes)
+    return tf.boolean_mask(clipped_boxes, keep), tf.boolean_mask(labels, keep)
 
 
-def pad_boxes(boxes: tf.Tensor, labels: tf.Tensor, max_boxes: int
-              ) -> tuple[tf.Tensor, tf.Tensor, tf.Tensor]:
-  """Keeps the first max_boxes boxes and pads to exactly max_boxes.
+def pad_boxes(boxes: tf.Tensor, labels: tf.Tensor, max_boxes: int) -> tuple[tf.Tensor, tf.Tensor, tf.Tensor]:
+    """Keeps the first max_boxes boxes and pads to exactly max_boxes.
 
-  Returns:
-    boxes float32 [max_boxes, 4] (zeros as padding), labels int32
-    [max_boxes] (-1 as padding), mask bool [max_boxes] (True = real box).
-  """
-  boxes = boxes[:max_boxes]
-  labels = labels[:max_boxes]
-  n = tf.shape(boxes)[0]
-  boxes = tf.pad(boxes, [[0, max_boxes - n], [0, 0]])
-  labels = tf.pad(labels, [[0, max_boxes - n]], constant_values=-1)
-  mask = tf.range(max_boxes) < n
-  return (tf.ensure_shape(boxes, [max_boxes, 4]),
-          tf.ensure_shape(labels, [max_boxes]),
-          tf.ensure_shape(mask, [max_boxes]))
+    Returns:
+      boxes float32 [max_boxes, 4] (zeros as padding), labels int32
+      [max_boxes] (-1 as padding), mask bool [max_boxes] (True = real box).
+    """
+    boxes = boxes[:max_boxes]
+    labels = labels[:max_boxes]
+    n = tf.shape(boxes)[0]
+    boxes = tf.pad(boxes, [[0, max_boxes - n], [0, 0]])
+    labels = tf.pad(labels, [[0, max_boxes - n]], constant_values=-1)
+    mask = tf.range(max_boxes) < n
+    return (
+        tf.ensure_shape(boxes, [max_boxes, 4]),
+        tf.ensure_shape(labels, [max_boxes]),
+        tf.ensure_shape(mask, [max_boxes]),
+    )
 
 
 def _clip_boxes(boxes: tf.Tensor, height, width) -> tf.Tensor:
-  hi = tf.cast(tf.stack([height, width, height, width]), tf.float32)
-  return tf.clip_by_value(boxes, 0.0, hi)
+    hi = tf.cast(tf.stack([height, width, height, width]), tf.float32)
+    return tf.clip_by_value(boxes, 0.0, hi)
 
 
-def _finish(image, boxes, labels, image_id, scale, original_hw,
-            opts: TransformOptions) -> dict:
-  truncated = tf.shape(boxes)[0] > opts.max_boxes
-  boxes, labels, mask = pad_boxes(boxes, labels, opts.max_boxes)
-  return {
-      "image": tf.ensure_shape(image, [*opts.image_size, 3]),
-      "boxes": boxes,
-      "labels": labels,
-      "boxes_mask": mask,
-      "boxes_truncated": tf.ensure_shape(truncated, []),
-      "image_id": tf.cast(image_id, tf.int32),
-      "scale": tf.cast(scale, tf.float32),
-      "original_size": tf.cast(original_hw, tf.int32),
-      "example_mask": tf.constant(True),
-  }
+def _finish(image, boxes, labels, image_id, scale, original_hw, opts: TransformOptions) -> dict:
+    truncated = tf.shape(boxes)[0] > opts.max_boxes
+    boxes, labels, mask = pad_boxes(boxes, labels, opts.max_boxes)
+    return {
+        "image": tf.ensure_shape(image, [*opts.image_size, 3]),
+        "boxes": boxes,
+        "labels": labels,
+        "boxes_mask": mask,
+        "boxes_truncated": tf.ensure_shape(truncated, []),
+        "image_id": tf.cast(image_id, tf.int32),
+        "scale": tf.cast(scale, tf.float32),
+        "original_size": tf.cast(original_hw, tf.int32),
+        "example_mask": tf.constant(True),
+    }
 
 
-def train_transform(example: dict, seed: tf.Tensor, opts: TransformOptions
-                    ) -> dict:
-  """LSJ: random flip, scale jitter, crop/pad to opts.image_size, colour.
+def train_transform(example: dict, seed: tf.Tensor, opts: TransformOptions) -> dict:
+    """LSJ: random flip, scale jitter, crop/pad to opts.image_size, colour.
 
-  The image is resized so it fits (H, W) times a random factor from
-  opts.scale_jitter (aspect kept), then a random (H, W) window is cropped
-  where it is larger and zeros (the mean colour after normalization) are
-  padded bottom/right where it is smaller. With opts.color_jitter > 0 the
-  visible pixels get random_color_jitter (0-255 units, before
-  normalization; padding stays zero). Boxes follow the pixels exactly, are
-  clipped to the visible image, and are dropped when less than
-  opts.min_visible_fraction of their area is visible or when smaller than
-  opts.min_box_size; the first max_boxes survivors are kept.
+    The image is resized so it fits (H, W) times a random factor from
+    opts.scale_jitter (aspect kept), then a random (H, W) window is cropped
+    where it is larger and zeros (the mean colour after normalization) are
+    padded bottom/right where it is smaller. With opts.color_jitter > 0 the
+    visible pixels get random_color_jitter (0-255 units, before
+    normalization; padding stays zero). Boxes follow the pixels exactly, are
+    clipped to the visible image, and are dropped when less than
+    opts.min_visible_fraction of their area is visible or when smaller than
+    opts.min_box_size; the first max_boxes survivors are kept.
 
-  Args:
-    example: decode_example() output.
-    seed: int32/int64 [2] stateless seed of this example.
-    opts: static settings.
+    Args:
+      example: decode_example() output.
+      seed: int32/int64 [2] stateless seed of this example.
+      opts: static settings.
 
-  Returns:
-    {'image': float32 [H, W, 3] normalized ((x - mean_rgb) / std_rgb, 0 in
-     padding), 'boxes': float32 [max_boxes, 4] y0, x0, y1, x1 in network
-     pixels (zeros as padding), 'labels': int32 [max_boxes] (-1 as padding),
-     'boxes_mask': bool [max_boxes] (True = real box), 'boxes_truncated':
-     bool [] (True when more than max_boxes boxes survived and the rest were
-     cut), 'image_id': int32 [], 'scale': float32 [] (network px per
-     original px), 'original_size': int32 [2] (h, w) original pixels,
-     'example_mask': bool [] (True)}.
-  """
-  out_h, out_w = opts.image_size
-  flip_seed, scale_seed, crop_y_seed, crop_x_seed = tf.unstack(
-      tf.random.experimental.stateless_split(seed, 4))
-  image, boxes, labels = example["image"], example["boxes"], example["labels"]
-  original_hw = tf.shape(image)[:2]
-  if opts.horizontal_flip:
-    image, boxes = random_horizontal_flip(image, boxes, flip_seed)
+    Returns:
+      {'image': float32 [H, W, 3] normalized ((x - mean_rgb) / std_rgb, 0 in
+       padding), 'boxes': float32 [max_boxes, 4] y0, x0, y1, x1 in network
+       pixels (zeros as padding), 'labels': int32 [max_boxes] (-1 as padding),
+       'boxes_mask': bool [max_boxes] (True = real box), 'boxes_truncated':
+       bool [] (True when more than max_boxes boxes survived and the rest were
+       cut), 'image_id': int32 [], 'scale': float32 [] (network px per
+       original px), 'original_size': int32 [2] (h, w) original pixels,
+       'example_mask': bool [] (True)}.
+    """
+    out_h, out_w = opts.image_size
+    flip_seed, scale_seed, crop_y_seed, crop_x_seed = tf.unstack(tf.random.experimental.stateless_split(seed, 4))
+    image, boxes, labels = example["image"], example["boxes"], example["labels"]
+    original_hw = tf.shape(image)[:2]
+    if opts.horizontal_flip:
+        image, boxes = random_horizontal_flip(image, boxes, flip_seed)
 
-  hw = tf.cast(original_hw, tf.float32)
-  fit = tf.minimum(out_h / hw[0], out_w / hw[1])
-  lo, hi = opts.scale_jitter
-  factor = tf.random.stateless_uniform([], scale_seed, lo, hi) if hi > lo else (
-      tf.constant(lo, tf.float32))
-  scale = fit * factor
-  new_hw = tf.maximum(tf.cast(tf.round(hw * scale), tf.int32), 1)
-  # Per-axis factors of the whole-pixel size actually produced, so boxes stay
-  # on the resized pixels.
-  axis_scale = tf.cast(new_hw, tf.float32) / hw
-  boxes = boxes * tf.tile(axis_scale, [2])[None, :]
+    hw = tf.cast(original_hw, tf.float32)
+    fit = tf.minimum(out_h / hw[0], out_w / hw[1])
+    lo, hi = opts.scale_jitter
+    factor = tf.random.stateless_uniform([], scale_seed, lo, hi) if hi > lo else (tf.constant(lo, tf.float32))
+    scale = fit * factor
+    new_hw = tf.maximum(tf.cast(tf.round(hw * scale), tf.int32), 1)
+    # Per-axis factors of the whole-pixel size actually produced, so boxes stay
+    # on the resized pixels.
+    axis_scale = tf.cast(new_hw, tf.float32) / hw
+    boxes = boxes * tf.tile(axis_scale, [2])[None, :]
 
-  # Random crop offsets (zero where the image is smaller than the target).
-  off_y = tf.random.stateless_uniform(
-      [], crop_y_seed, 0, tf.maximum(new_hw[0] - out_h, 0) + 1, dtype=tf.int32)
-  off_x = tf.random.stateless_uniform(
-      [], crop_x_seed, 0, tf.maximum(new_hw[1] - out_w, 0) + 1, dtype=tf.int32)
-  visible_h = tf.minimum(new_hw[0] - off_y, out_h)
-  visible_w = tf.minimum(new_hw[1] - off_x, out_w)
-  image = _resize_window(image, new_hw, tf.stack([off_y, off_x]),
-                         tf.stack([visible_h, visible_w]))
-  if opts.color_jitter > 0:
-    color_seed = tf.random.experimental.stateless_fold_in(
-        seed, _COLOR_SEED_TAG)
-    image = random_color_jitter(image, color_seed, opts.color_jitter)
-  # Per-pixel, so normalizing after the crop equals normalizing before it.
-  image = normalize_image(image, opts.mean_rgb, opts.std_rgb)
-  image = tf.image.pad_to_bounding_box(image, 0, 0, out_h, out_w)
-  offset = tf.cast(tf.stack([off_y, off_x, off_y, off_x]), tf.float32)
-  boxes = boxes - offset[None, :]
-  clipped = _clip_boxes(boxes, visible_h, visible_w)
-  if opts.min_visible_fraction > 0:
-    boxes, labels = drop_hidden_boxes(boxes, clipped, labels,
-                                      opts.min_visible_fraction)
-  else:
-    boxes = clipped
-  boxes, labels = drop_small_boxes(boxes, labels, opts.min_box_size)
-  return _finish(image, boxes, labels, example["image_id"], scale,
-                 original_hw, opts)
+    # Random crop offsets (zero where the image is smaller than the target).
+    off_y = tf.random.stateless_uniform([], crop_y_seed, 0, tf.maximum(new_hw[0] - out_h, 0) + 1, dtype=tf.int32)
+    off_x = tf.random.stateless_uniform([], crop_x_seed, 0, tf.maximum(new_hw[1] - out_w, 0) + 1, dtype=tf.int32)
+    visible_h = tf.minimum(new_hw[0] - off_y, out_h)
+    visible_w = tf.minimum(new_hw[1] - off_x, out_w)
+    image = _resize_window(image, new_hw, tf.stack([off_y, off_x]), tf.stack([visible_h, visible_w]))
+    if opts.color_jitter > 0:
+        color_seed = tf.random.experimental.stateless_fold_in(seed, _COLOR_SEED_TAG)
+        image = random_color_jitter(image, color_seed, opts.color_jitter)
+    # Per-pixel, so normalizing after the crop equals normalizing before it.
+    image = normalize_image(image, opts.mean_rgb, opts.std_rgb)
+    image = tf.image.pad_to_bounding_box(image, 0, 0, out_h, out_w)
+    offset = tf.cast(tf.stack([off_y, off_x, off_y, off_x]), tf.float32)
+    boxes = boxes - offset[None, :]
+    clipped = _clip_boxes(boxes, visible_h, visible_w)
+    if opts.min_visible_fraction > 0:
+        boxes, labels = drop_hidden_boxes(boxes, clipped, labels, opts.min_visible_fraction)
+    else:
+        boxes = clipped
+    boxes, labels = drop_small_boxes(boxes, labels, opts.min_box_size)
+    return _finish(image, boxes, labels, example["image_id"], scale, original_hw, opts)
 
 
 def eval_transform(example: dict, opts: TransformOptions) -> dict:
-  """Deterministic resize to fit opts.image_size, pad bottom/right, normalize.
+    """Deterministic resize to fit opts.image_size, pad bottom/right, normalize.
 
-  The scale is min(H / h, W / w), i.e. the longer side (relative to the
-  target) fills the target; boxes are multiplied by exactly `scale`, so
-  `boxes / scale` are original-image pixels. Degenerate (empty) boxes are
-  dropped; no minimum size or visibility is applied, no colour jitter.
+    The scale is min(H / h, W / w), i.e. the longer side (relative to the
+    target) fills the target; boxes are multiplied by exactly `scale`, so
+    `boxes / scale` are original-image pixels. Degenerate (empty) boxes are
+    dropped; no minimum size or visibility is applied, no colour jitter.
 
-  Returns:
-    Same keys, shapes and units as train_transform ('boxes_truncated' True
-    when the image has more than max_boxes non-empty boxes).
-  """
-  out_h, out_w = opts.image_size
-  image, boxes, labels = example["image"], example["boxes"], example["labels"]
-  original_hw = tf.shape(image)[:2]
-  hw = tf.cast(original_hw, tf.float32)
-  scale = tf.minimum(out_h / hw[0], out_w / hw[1])
-  image, new_hw = _resize(image, scale, max_size=(out_h, out_w))
-  image = normalize_image(image, opts.mean_rgb, opts.std_rgb)
-  image = tf.image.pad_to_bounding_box(image, 0, 0, out_h, out_w)
-  boxes = _clip_boxes(boxes * scale, out_h, out_w)
-  boxes, labels = drop_small_boxes(boxes, labels, 0.0)
-  return _finish(image, boxes, labels, example["image_id"], scale,
-                 original_hw, opts)
+    Returns:
+      Same keys, shapes and units as train_transform ('boxes_truncated' True
+      when the image has more than max_boxes non-empty boxes).
+    """
+    out_h, out_w = opts.image_size
+    image, boxes, labels = example["image"], example["boxes"], example["labels"]
+    original_hw = tf.shape(image)[:2]
+    hw = tf.cast(original_hw, tf.float32)
+    scale = tf.minimum(out_h / hw[0], out_w / hw[1])
+    image, new_hw = _resize(image, scale, max_size=(out_h, out_w))
+    image = normalize_image(image, opts.mean_rgb, opts.std_rgb)
+    image = tf.image.pad_to_bounding_box(image, 0, 0, out_h, out_w)
+    boxes = _clip_boxes(boxes * scale, out_h, out_w)
+    boxes, labels = drop_small_boxes(boxes, labels, 0.0)
+    return _finish(image, boxes, labels, example["image_id"], scale, original_hw, opts)

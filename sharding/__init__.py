@@ -8,10 +8,10 @@ logical axis names and the rules in `config.sharding.rules`.
 from sharding.mesh import MESH_AXES, MeshError, batch_axes, check_global_batch, create_mesh, resolve_mesh_shape
 from sharding.partitioning import (
     LogicalRules,
+    batch_sharding,
     logical_rules,
     mesh_sharding_for_logical_specs,
     replicated,
-    batch_sharding,
     use_mesh,
 )
 

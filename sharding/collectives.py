@@ -62,10 +62,26 @@ _OPCODE_KIND.update({f"{kind}-start": kind for kind in COLLECTIVE_KINDS})
 # Bits per element. Sub-byte types are stored one element per byte unless the layout
 # says otherwise (`E(4)`, handled in `_parse_type`), which is XLA's default.
 _DTYPE_BITS = {
-    "pred": 8, "s8": 8, "u8": 8, "s4": 8, "u4": 8, "s2": 8, "u2": 8, "s1": 8, "u1": 8,
-    "bf16": 16, "f16": 16, "s16": 16, "u16": 16,
-    "f32": 32, "s32": 32, "u32": 32,
-    "f64": 64, "s64": 64, "u64": 64, "c64": 64,
+    "pred": 8,
+    "s8": 8,
+    "u8": 8,
+    "s4": 8,
+    "u4": 8,
+    "s2": 8,
+    "u2": 8,
+    "s1": 8,
+    "u1": 8,
+    "bf16": 16,
+    "f16": 16,
+    "s16": 16,
+    "u16": 16,
+    "f32": 32,
+    "s32": 32,
+    "u32": 32,
+    "f64": 64,
+    "s64": 64,
+    "u64": 64,
+    "c64": 64,
     "c128": 128,
     "token": 0,  # ordering tokens carry no data
 }
@@ -181,7 +197,7 @@ def _matching(text: str, pos: int, open_: str, close: str) -> int:
             depth -= 1
             if depth == 0:
                 return i
-    raise ValueError(f"unbalanced {open_!r} in HLO text: {text[pos:pos + 80]!r}")
+    raise ValueError(f"unbalanced {open_!r} in HLO text: {text[pos : pos + 80]!r}")
 
 
 def _dim(text: str) -> int:
@@ -210,7 +226,7 @@ def _parse_type(text: str, pos: int = 0):
                 pos += 1
     m = _ARRAY_RE.match(text, pos)
     if not m:
-        raise ValueError(f"not an HLO shape: {text[pos:pos + 40]!r}")
+        raise ValueError(f"not an HLO shape: {text[pos : pos + 40]!r}")
     dims = tuple(_dim(d) for d in m.group(2).split(",") if d.strip())
     pos, bits = m.end(), None
     if pos < len(text) and text[pos] == "{":  # layout, e.g. {1,0} or {1,0:T(8,128)E(4)}
@@ -281,8 +297,13 @@ def _parse_instruction(line: str) -> _Instruction | None:
         close_paren = _matching(line, open_paren, "(", ")")
     except ValueError:
         return None  # not an instruction line (or a form this parser does not know)
-    return _Instruction(name=m.group(1), shape=shape, opcode=op.group(1),
-                        operands=line[open_paren + 1:close_paren], attrs=line[close_paren + 1:])
+    return _Instruction(
+        name=m.group(1),
+        shape=shape,
+        opcode=op.group(1),
+        operands=line[open_paren + 1 : close_paren],
+        attrs=line[close_paren + 1 :],
+    )
 
 
 # ----------------------------------------------------------------------------- module
@@ -326,8 +347,10 @@ def _parse_module(hlo_text: str) -> _Module:
             if instruction is not None:
                 computations[current].append(instruction)
     if entry is None:
-        raise ValueError("HLO text has no ENTRY computation; pass the whole module "
-                         "(e.g. `jax.jit(f).lower(...).compile().as_text()`)")
+        raise ValueError(
+            "HLO text has no ENTRY computation; pass the whole module "
+            "(e.g. `jax.jit(f).lower(...).compile().as_text()`)"
+        )
     return _Module(computations, entry, replicas, partitions)
 
 
@@ -354,16 +377,23 @@ def _callees(instruction: _Instruction, computation: str) -> list[tuple[str, int
             trips = int(m.group(1))
         else:
             trips = 1
-            log.warning("while loop %%%s in %%%s has no known trip count; its body is counted once",
-                        instruction.name, computation)
+            log.warning(
+                "while loop %%%s in %%%s has no known trip count; its body is counted once",
+                instruction.name,
+                computation,
+            )
         attrs = _split_attrs(instruction.attrs)
         # The condition is evaluated once more than the body runs.
-        return ([(n, trips, exact) for n in _names(attrs.get("body"))]
-                + [(n, trips + 1, exact) for n in _names(attrs.get("condition"))])
+        return [(n, trips, exact) for n in _names(attrs.get("body"))] + [
+            (n, trips + 1, exact) for n in _names(attrs.get("condition"))
+        ]
     if op == "conditional":
         attrs = _split_attrs(instruction.attrs)
-        branches = (_names(attrs.get("branch_computations"))
-                    + _names(attrs.get("true_computation")) + _names(attrs.get("false_computation")))
+        branches = (
+            _names(attrs.get("branch_computations"))
+            + _names(attrs.get("true_computation"))
+            + _names(attrs.get("false_computation"))
+        )
         return [(n, 1, False) for n in branches]  # one branch runs; counting all is an upper bound
     # `to_apply` only means "runs once" for a call; for reduce, all-reduce, scatter, sort,
     # map, ... it names a scalar reducer/comparator, which holds no collectives.
@@ -381,8 +411,10 @@ def _callees(instruction: _Instruction, computation: str) -> list[tuple[str, int
 
 def _executions(module: _Module) -> dict[str, tuple[int, bool]]:
     """Runs per program call, and exactness, of each computation reachable from ENTRY."""
-    edges = {name: [e for i in instructions for e in _callees(i, name) if e[0] in module.computations]
-             for name, instructions in module.computations.items()}
+    edges = {
+        name: [e for i in instructions for e in _callees(i, name) if e[0] in module.computations]
+        for name, instructions in module.computations.items()
+    }
     # Reverse post-order of an iterative DFS: every caller precedes its callees (HLO
     # call graphs are acyclic), so each computation's count is final when it is visited.
     postorder, seen = [], {module.entry}
@@ -472,8 +504,7 @@ def _scattered_back(instruction: _Instruction, group_size: int) -> list[_Array]:
     return out
 
 
-def _moved_buffers(instruction: _Instruction, kind: str, group_size: int,
-                   symbols: dict[str, object]) -> list[_Array]:
+def _moved_buffers(instruction: _Instruction, kind: str, group_size: int, symbols: dict[str, object]) -> list[_Array]:
     shape, op = instruction.shape, instruction.opcode
     if op.endswith("-start") and kind != "all-reduce":
         # (operand(s), result(s), context...): see the module docstring.
@@ -504,13 +535,15 @@ def parse_collectives(hlo_text: str) -> list[Collective]:
                 continue
             group_size = _group_size(instruction, module)
             buffers = [b for b in _moved_buffers(instruction, kind, group_size, symbols) if b.dtype != "token"]
-            found.append(Collective(
-                kind=kind,
-                computation=computation,
-                shapes=tuple((b.dtype, b.dims) for b in buffers),
-                bytes=sum(b.nbytes for b in buffers),
-                executions=executions,
-                group_size=group_size,
-                executions_exact=exact,
-            ))
+            found.append(
+                Collective(
+                    kind=kind,
+                    computation=computation,
+                    shapes=tuple((b.dtype, b.dims) for b in buffers),
+                    bytes=sum(b.nbytes for b in buffers),
+                    executions=executions,
+                    group_size=group_size,
+                    executions_exact=exact,
+                )
+            )
     return found

@@ -55,16 +55,19 @@ class DistributedOptions:
             raise DistributedError(
                 "--coordinator_address, --num_processes and --process_id go together: pass all three on every "
                 "process (e.g. --coordinator_address=10.0.0.1:1234 --num_processes=2 --process_id=0), or none "
-                "to let a cluster (SLURM, Open MPI, Kubernetes) be detected")
+                "to let a cluster (SLURM, Open MPI, Kubernetes) be detected"
+            )
         if not all(given):
             return False
         if self.num_processes < 1 or not 0 <= self.process_id < self.num_processes:
             raise DistributedError(
                 f"--process_id={self.process_id} must be in 0..{self.num_processes - 1} "
-                f"for --num_processes={self.num_processes}")
+                f"for --num_processes={self.num_processes}"
+            )
         if ":" not in self.coordinator_address:
             raise DistributedError(
-                f"--coordinator_address={self.coordinator_address} needs a port: HOST:PORT, e.g. 10.0.0.1:1234")
+                f"--coordinator_address={self.coordinator_address} needs a port: HOST:PORT, e.g. 10.0.0.1:1234"
+            )
         return True
 
 
@@ -105,19 +108,26 @@ def initialize(options: DistributedOptions, environ=None) -> bool:
     if (os.environ.get("JAX_PLATFORMS") or "").startswith("cpu"):
         # CPU processes (tests, the local launcher) exchange collectives over gloo.
         jax.config.update("jax_cpu_collectives_implementation", "gloo")
-    kwargs = dict(heartbeat_timeout_seconds=int(options.heartbeat_timeout_s),
-                  initialization_timeout=int(options.initialization_timeout_s))
+    kwargs = dict(
+        heartbeat_timeout_seconds=int(options.heartbeat_timeout_s),
+        initialization_timeout=int(options.initialization_timeout_s),
+    )
     if explicit:
-        kwargs.update(coordinator_address=options.coordinator_address, num_processes=int(options.num_processes),
-                      process_id=int(options.process_id))
+        kwargs.update(
+            coordinator_address=options.coordinator_address,
+            num_processes=int(options.num_processes),
+            process_id=int(options.process_id),
+        )
     jax.distributed.initialize(**kwargs)
     return True
 
 
 def describe() -> str:
     """One line on what this process sees after joining (for logs and the launch check)."""
-    return (f"process {jax.process_index()} of {jax.process_count()}: {jax.local_device_count()} local of "
-            f"{jax.device_count()} devices ({jax.devices()[0].platform})")
+    return (
+        f"process {jax.process_index()} of {jax.process_count()}: {jax.local_device_count()} local of "
+        f"{jax.device_count()} devices ({jax.devices()[0].platform})"
+    )
 
 
 def define_flags() -> None:
@@ -127,8 +137,11 @@ def define_flags() -> None:
     flags.DEFINE_string("coordinator_address", None, "HOST:PORT of process 0 (multi-process runs).")
     flags.DEFINE_integer("num_processes", None, "Number of processes in the run.")
     flags.DEFINE_integer("process_id", None, "This process's index, 0..num_processes-1.")
-    flags.DEFINE_integer("heartbeat_timeout_s", DEFAULT_HEARTBEAT_TIMEOUT_S,
-                         "Seconds without a heartbeat after which a peer counts as dead and the others stop.")
+    flags.DEFINE_integer(
+        "heartbeat_timeout_s",
+        DEFAULT_HEARTBEAT_TIMEOUT_S,
+        "Seconds without a heartbeat after which a peer counts as dead and the others stop.",
+    )
 
 
 def options_from_flags() -> DistributedOptions:
@@ -136,8 +149,12 @@ def options_from_flags() -> DistributedOptions:
     from absl import flags
 
     values = flags.FLAGS
-    return DistributedOptions(coordinator_address=values.coordinator_address, num_processes=values.num_processes,
-                              process_id=values.process_id, heartbeat_timeout_s=values.heartbeat_timeout_s)
+    return DistributedOptions(
+        coordinator_address=values.coordinator_address,
+        num_processes=values.num_processes,
+        process_id=values.process_id,
+        heartbeat_timeout_s=values.heartbeat_timeout_s,
+    )
 
 
 def _check_main(argv: list[str]) -> None:

@@ -28,9 +28,11 @@ class MemoryReport:
 
     def describe(self) -> str:
         gib = lambda b: f"{b / 2**30:.3f} GiB"  # noqa: E731
-        return (f"per-device memory: total {gib(self.total_bytes)} = arguments {gib(self.argument_bytes)}"
-                f" + outputs {gib(self.output_bytes)} + temporaries {gib(self.temp_bytes)}"
-                f" - aliased {gib(self.alias_bytes)}")
+        return (
+            f"per-device memory: total {gib(self.total_bytes)} = arguments {gib(self.argument_bytes)}"
+            f" + outputs {gib(self.output_bytes)} + temporaries {gib(self.temp_bytes)}"
+            f" - aliased {gib(self.alias_bytes)}"
+        )
 
 
 def memory_report(compiled: Any) -> MemoryReport | None:
@@ -64,7 +66,8 @@ def check_fits(report: MemoryReport | None, limit_bytes: int | None) -> None:
         f"the train step needs {report.total_bytes / 2**30:.2f} GiB per device but the device has "
         f"{limit_bytes / 2**30:.2f} GiB; shard more (raise mesh.fsdp or mesh.model), lower "
         f"global_batch_size, set model.remat=full or model.dtype=bfloat16 "
-        f"(`python -m detector.plan --config=... --devices=N` finds a split that fits)")
+        f"(`python -m detector.plan --config=... --devices=N` finds a split that fits)"
+    )
 
 
 def per_device_bytes(tree: Any) -> int:

@@ -27,7 +27,9 @@ def resolve_mesh_shape(mesh_config: Mapping[str, int], num_devices: int) -> tupl
     fill = [i for i, s in enumerate(sizes) if s == -1]
     bad = [f"mesh.{MESH_AXES[i]}={s}" for i, s in enumerate(sizes) if s == 0 or s < -1]
     if bad:
-        raise MeshError(f"{', '.join(bad)} is not a valid axis size; use a positive size or -1 to fill the remaining devices")
+        raise MeshError(
+            f"{', '.join(bad)} is not a valid axis size; use a positive size or -1 to fill the remaining devices"
+        )
     if len(fill) > 1:
         names = ", ".join(f"mesh.{MESH_AXES[i]}" for i in fill)
         raise MeshError(f"{names} are all -1; at most one mesh axis may be -1 (it takes the devices the others leave)")
@@ -36,12 +38,14 @@ def resolve_mesh_shape(mesh_config: Mapping[str, int], num_devices: int) -> tupl
         if num_devices % known:
             raise MeshError(
                 f"mesh {_describe(sizes)} cannot fill {num_devices} devices: {num_devices} is not divisible by "
-                f"{known}; choose axis sizes whose product divides {num_devices}")
+                f"{known}; choose axis sizes whose product divides {num_devices}"
+            )
         sizes[fill[0]] = num_devices // known
     if math.prod(sizes) != num_devices:
         raise MeshError(
             f"mesh {_describe(sizes)} needs {math.prod(sizes)} devices but {num_devices} are available; "
-            f"set the axis sizes so their product is {num_devices} (or set one of them to -1)")
+            f"set the axis sizes so their product is {num_devices} (or set one of them to -1)"
+        )
     return tuple(sizes)
 
 
@@ -63,7 +67,8 @@ def create_mesh(mesh_config: Mapping[str, int], devices: Sequence[jax.Device] | 
         per_host = (shape[0] // num_processes, shape[1], shape[2])
         try:
             device_array = mesh_utils.create_hybrid_device_mesh(
-                per_host, (num_processes, 1, 1), devices, process_is_granule=True)
+                per_host, (num_processes, 1, 1), devices, process_is_granule=True
+            )
         except (ValueError, AssertionError, NotImplementedError) as e:
             logging.warning("hybrid mesh unavailable (%s); using a flat device order", e)
     if device_array is None:
@@ -88,8 +93,12 @@ def check_global_batch(global_batch_size: int, mesh: Mesh) -> int:
     if global_batch_size <= 0 or global_batch_size % shards:
         raise MeshError(
             f"global_batch_size={global_batch_size} does not divide over the batch axes data x fsdp = {shards} "
-            f"devices; use a multiple of {shards} (e.g. --config.global_batch_size={shards * max(1, global_batch_size // shards)})")
+            f"devices; use a multiple of {shards} "
+            f"(e.g. --config.global_batch_size={shards * max(1, global_batch_size // shards)})"
+        )
     if global_batch_size % processes:
         raise MeshError(
-            f"global_batch_size={global_batch_size} does not divide over {processes} processes; use a multiple of {processes}")
+            f"global_batch_size={global_batch_size} does not divide over {processes} processes; "
+            f"use a multiple of {processes}"
+        )
     return global_batch_size // shards

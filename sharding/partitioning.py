@@ -58,7 +58,8 @@ def logical_rules(sharding_config) -> LogicalRules:
         unknown = [a for a in axes if a not in MESH_AXES]
         if unknown:
             raise MeshError(
-                f"sharding rule for {logical!r} names mesh axis {unknown[0]!r}; mesh axes are {', '.join(MESH_AXES)}")
+                f"sharding rule for {logical!r} names mesh axis {unknown[0]!r}; mesh axes are {', '.join(MESH_AXES)}"
+            )
         rules.append((logical, mesh_axes if mesh_axes is None or isinstance(mesh_axes, str) else tuple(mesh_axes)))
     return tuple(rules)
 
@@ -85,8 +86,7 @@ def _fit_spec_to_shape(spec: PartitionSpec, shape: Sequence[int], mesh: Mesh) ->
     return PartitionSpec(*fitted), changed
 
 
-def mesh_sharding_for_logical_specs(abstract_tree: Any, logical_specs: Any, mesh: Mesh,
-                                    rules: LogicalRules) -> Any:
+def mesh_sharding_for_logical_specs(abstract_tree: Any, logical_specs: Any, mesh: Mesh, rules: LogicalRules) -> Any:
     """NamedShardings for `abstract_tree` (ShapeDtypeStructs) from its logical specs.
 
     Args:
@@ -106,8 +106,9 @@ def mesh_sharding_for_logical_specs(abstract_tree: Any, logical_specs: Any, mesh
         replicated_dims += changed
         return NamedSharding(mesh, spec)
 
-    shardings = jax.tree.map(to_sharding, abstract_tree, mesh_specs,
-                             is_leaf=lambda x: isinstance(x, PartitionSpec) or x is None)
+    shardings = jax.tree.map(
+        to_sharding, abstract_tree, mesh_specs, is_leaf=lambda x: isinstance(x, PartitionSpec) or x is None
+    )
     if replicated_dims:
         logging.info("%d arrays keep a dimension replicated that the mesh does not divide", replicated_dims)
     return shardings

@@ -67,8 +67,14 @@ class StepPlan:
         }
 
 
-def plan_from_compiled(compiled: Any, abstract_state: Any, abstract_batch: Any, mesh_shape: dict[str, int],
-                       global_batch_size: int, compile_seconds: float = 0.0) -> StepPlan:
+def plan_from_compiled(
+    compiled: Any,
+    abstract_state: Any,
+    abstract_batch: Any,
+    mesh_shape: dict[str, int],
+    global_batch_size: int,
+    compile_seconds: float = 0.0,
+) -> StepPlan:
     """Reads memory, FLOPs and collectives off a compiled `(state, batch) -> ...` step."""
     report = memory_report(compiled)
     if report is None:
@@ -121,9 +127,15 @@ def with_mesh_shape(config, shape: tuple[int, int, int]):
     return config
 
 
-def search_fitting_mesh(config, limit_bytes: int, plan_step: Callable[[Any, Any], StepPlan], devices=None,
-                        max_model: int = 8, tried: list[StepPlan] | None = None,
-                        max_candidates: int | None = None) -> StepPlan | None:
+def search_fitting_mesh(
+    config,
+    limit_bytes: int,
+    plan_step: Callable[[Any, Any], StepPlan],
+    devices=None,
+    max_model: int = 8,
+    tried: list[StepPlan] | None = None,
+    max_candidates: int | None = None,
+) -> StepPlan | None:
     """The first `candidate_meshes` split whose train step fits `limit_bytes`, or None.
 
     `plan_step(config, devices)` compiles the step of a config (its `mesh`
@@ -162,8 +174,16 @@ def _gb(n: float) -> str:
 
 def format_table(plans: list[StepPlan], limit_bytes: int | None = None) -> str:
     """A markdown table, one row per plan; byte columns in GB (10^9) per device."""
-    header = ["mesh (data, fsdp, model)", "batch/device", "params GB", "opt state GB", "batch GB",
-              "temps GB", "total GB", "TFLOP/step"]
+    header = [
+        "mesh (data, fsdp, model)",
+        "batch/device",
+        "params GB",
+        "opt state GB",
+        "batch GB",
+        "temps GB",
+        "total GB",
+        "TFLOP/step",
+    ]
     header += [f"{kind} GB" for kind in COLLECTIVE_KINDS]
     if limit_bytes is not None:
         header.append(f"fits {limit_bytes / GB:g} GB")
@@ -171,8 +191,16 @@ def format_table(plans: list[StepPlan], limit_bytes: int | None = None) -> str:
     for p in plans:
         shape = _shape(p)
         per_device_batch = p.global_batch_size / (shape[0] * shape[1])
-        row = [str(shape), f"{per_device_batch:g}", _gb(p.params_bytes), _gb(p.opt_state_bytes),
-               _gb(p.batch_bytes), _gb(p.memory.temp_bytes), _gb(p.total_bytes), f"{p.flops / 1e12:.2f}"]
+        row = [
+            str(shape),
+            f"{per_device_batch:g}",
+            _gb(p.params_bytes),
+            _gb(p.opt_state_bytes),
+            _gb(p.batch_bytes),
+            _gb(p.memory.temp_bytes),
+            _gb(p.total_bytes),
+            f"{p.flops / 1e12:.2f}",
+        ]
         summary = p.collective_summary
         row += [_gb(summary[kind].bytes) for kind in COLLECTIVE_KINDS]
         if limit_bytes is not None:

@@ -38,12 +38,12 @@ MIN_MATMUL_CHANNELS = 32
 
 
 def _forward(x, kernel, strides, padding, precision):
-    return lax.conv_general_dilated(x, kernel, strides, padding, dimension_numbers=_NHWC_HWIO,
-                                    precision=precision)
+    return lax.conv_general_dilated(x, kernel, strides, padding, dimension_numbers=_NHWC_HWIO, precision=precision)
 
 
-def kernel_gradient(x: jax.Array, dy: jax.Array, kernel_size: tuple[int, int], strides: tuple[int, int],
-                    padding: Padding) -> jax.Array:
+def kernel_gradient(
+    x: jax.Array, dy: jax.Array, kernel_size: tuple[int, int], strides: tuple[int, int], padding: Padding
+) -> jax.Array:
     """d(loss)/d(kernel) of an NHWC/HWIO convolution as matmuls.
 
     Args:
@@ -57,12 +57,10 @@ def kernel_gradient(x: jax.Array, dy: jax.Array, kernel_size: tuple[int, int], s
     (kh, kw), (sh, sw) = kernel_size, strides
     n, out_h, out_w, _ = dy.shape
     channels = x.shape[3]
-    if ((kh, kw) == (sh, sw) and padding == ((0, 0), (0, 0))
-            and x.shape[1] == out_h * kh and x.shape[2] == out_w * kw):
+    if (kh, kw) == (sh, sw) and padding == ((0, 0), (0, 0)) and x.shape[1] == out_h * kh and x.shape[2] == out_w * kw:
         # Non-overlapping windows (a ViT's patch embedding): one matmul over patches.
         patches = x.reshape(n, out_h, kh, out_w, kw, channels)
-        return jnp.einsum("nhiwjc,nhwd->ijcd", patches, dy,
-                          preferred_element_type=jnp.float32).astype(x.dtype)
+        return jnp.einsum("nhiwjc,nhwd->ijcd", patches, dy, preferred_element_type=jnp.float32).astype(x.dtype)
     x = lax.pad(x, jnp.zeros((), x.dtype), ((0, 0, 0), (*padding[0], 0), (*padding[1], 0), (0, 0, 0)))
     # dy is transposed once to `[C_out, N, H_out, W_out]`, so every tap is a
     # plain `[C_out, K] @ [K, C_in]` product on a row-major slice of x; with
@@ -73,8 +71,9 @@ def kernel_gradient(x: jax.Array, dy: jax.Array, kernel_size: tuple[int, int], s
     taps = []
     for i in range(kh):
         for j in range(kw):
-            x_tap = lax.slice(x, (0, i, j, 0), (n, i + sh * (out_h - 1) + 1, j + sw * (out_w - 1) + 1, channels),
-                              (1, sh, sw, 1))
+            x_tap = lax.slice(
+                x, (0, i, j, 0), (n, i + sh * (out_h - 1) + 1, j + sw * (out_w - 1) + 1, channels), (1, sh, sw, 1)
+            )
             taps.append(lax.dot_general(dy_t, x_tap, contract_batch_and_space, preferred_element_type=jnp.float32))
     # taps: kh * kw of [C_out, C_in].
     return jnp.transpose(jnp.stack(taps).reshape(kh, kw, dy.shape[3], channels), (0, 1, 3, 2)).astype(x.dtype)
@@ -100,19 +99,43 @@ def _conv_bwd(strides, padding, precision, residuals, dy):
 _conv.defvjp(_conv_fwd, _conv_bwd)
 
 
-def conv_general_dilated(lhs: jax.Array, rhs: jax.Array, window_strides: Sequence[int], padding,
-                         lhs_dilation=None, rhs_dilation=None, dimension_numbers=None,
-                         feature_group_count: int = 1, batch_group_count: int = 1, precision=None,
-                         preferred_element_type=None) -> jax.Array:
+def conv_general_dilated(
+    lhs: jax.Array,
+    rhs: jax.Array,
+    window_strides: Sequence[int],
+    padding,
+    lhs_dilation=None,
+    rhs_dilation=None,
+    dimension_numbers=None,
+    feature_group_count: int = 1,
+    batch_group_count: int = 1,
+    precision=None,
+    preferred_element_type=None,
+) -> jax.Array:
     """`lax.conv_general_dilated` with the kernel gradient as matmuls (see the module docstring)."""
-    plain = (lhs.ndim == 4 and feature_group_count == 1 and batch_group_count == 1
-             and preferred_element_type is None
-             and all(d == 1 for d in (lhs_dilation or (1, 1))) and all(d == 1 for d in (rhs_dilation or (1, 1)))
-             and lax.conv_dimension_numbers(lhs.shape, rhs.shape, dimension_numbers) == _NHWC_HWIO)
+    plain = (
+        lhs.ndim == 4
+        and feature_group_count == 1
+        and batch_group_count == 1
+        and preferred_element_type is None
+        and all(d == 1 for d in (lhs_dilation or (1, 1)))
+        and all(d == 1 for d in (rhs_dilation or (1, 1)))
+        and lax.conv_dimension_numbers(lhs.shape, rhs.shape, dimension_numbers) == _NHWC_HWIO
+    )
     if not plain or min(rhs.shape[2:]) < MIN_MATMUL_CHANNELS:
-        return lax.conv_general_dilated(lhs, rhs, window_strides, padding, lhs_dilation, rhs_dilation,
-                                        dimension_numbers, feature_group_count, batch_group_count, precision,
-                                        preferred_element_type)
+        return lax.conv_general_dilated(
+            lhs,
+            rhs,
+            window_strides,
+            padding,
+            lhs_dilation,
+            rhs_dilation,
+            dimension_numbers,
+            feature_group_count,
+            batch_group_count,
+            precision,
+            preferred_element_type,
+        )
     strides = tuple(int(s) for s in window_strides)
     if isinstance(padding, str):
         padding = lax.padtype_to_pads(lhs.shape[1:3], rhs.shape[:2], strides, padding)

@@ -15,8 +15,8 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
-from detector.models import convolution
 from detector.errors import ConfigError
+from detector.models import convolution
 
 KERNEL_AXES = ("kernel_h", "kernel_w", "conv_in", "conv_out")
 CHANNEL_AXES = ("conv_out",)
@@ -28,10 +28,18 @@ def constrain_activation(x: jax.Array) -> jax.Array:
     return nn.with_logical_constraint(x, ACTIVATION_AXES)
 
 
-def conv(features: int, kernel_size: int = 3, strides: int = 1, *, use_bias: bool = True,
-         dtype: Any = jnp.float32,
-         kernel_init: Any = nn.initializers.variance_scaling(2.0, "fan_out", "normal"),
-         bias_init: Any = nn.initializers.zeros, padding: Any = "SAME", name: str | None = None) -> nn.Conv:
+def conv(
+    features: int,
+    kernel_size: int = 3,
+    strides: int = 1,
+    *,
+    use_bias: bool = True,
+    dtype: Any = jnp.float32,
+    kernel_init: Any = nn.initializers.variance_scaling(2.0, "fan_out", "normal"),
+    bias_init: Any = nn.initializers.zeros,
+    padding: Any = "SAME",
+    name: str | None = None,
+) -> nn.Conv:
     """`nn.Conv` (f32 params) with logically partitioned kernel and bias.
 
     `padding` is what `nn.Conv` takes: 'SAME' (the default) or explicit
@@ -55,8 +63,14 @@ def conv(features: int, kernel_size: int = 3, strides: int = 1, *, use_bias: boo
     )
 
 
-def group_norm(channels: int, *, num_groups: int = 8, dtype: Any = jnp.float32,
-               scale_init: Any = nn.initializers.ones, name: str | None = None) -> nn.GroupNorm:
+def group_norm(
+    channels: int,
+    *,
+    num_groups: int = 8,
+    dtype: Any = jnp.float32,
+    scale_init: Any = nn.initializers.ones,
+    name: str | None = None,
+) -> nn.GroupNorm:
     """GroupNorm with logically partitioned scale/bias.
 
     GroupNorm rather than BatchNorm: detection trains at a few images per
@@ -106,10 +120,12 @@ class FrozenBatchNorm(nn.Module):
 
     @nn.compact
     def __call__(self, x: jax.Array) -> jax.Array:
-        scale = self.param("scale", nn.with_logical_partitioning(nn.initializers.ones, CHANNEL_AXES),
-                           (self.channels,), jnp.float32)
-        bias = self.param("bias", nn.with_logical_partitioning(nn.initializers.zeros, CHANNEL_AXES),
-                          (self.channels,), jnp.float32)
+        scale = self.param(
+            "scale", nn.with_logical_partitioning(nn.initializers.ones, CHANNEL_AXES), (self.channels,), jnp.float32
+        )
+        bias = self.param(
+            "bias", nn.with_logical_partitioning(nn.initializers.zeros, CHANNEL_AXES), (self.channels,), jnp.float32
+        )
         return x.astype(self.dtype) * scale.astype(self.dtype) + bias.astype(self.dtype)
 
 

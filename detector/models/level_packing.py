@@ -60,7 +60,7 @@ def pack(features: dict[int, jax.Array], layout: CanvasLayout) -> jax.Array:
     """`{level: [B, h_l, w_l, C]}` -> `[B, height, width, C]` with zeros outside the regions."""
     first = next(iter(features.values()))
     canvas = jnp.zeros((first.shape[0], layout.height, layout.width, first.shape[-1]), first.dtype)
-    for level, (y, x, h, w) in layout.regions.items():
+    for level, (y, x, _, _) in layout.regions.items():
         canvas = jax.lax.dynamic_update_slice(canvas, features[level], (0, y, x, 0))
     return canvas
 
@@ -69,10 +69,10 @@ def region_mask(layout: CanvasLayout) -> np.ndarray:
     """`[1, height, width, 1]` float32: 1 inside the levels' regions, 0 in the gaps."""
     mask = np.zeros((1, layout.height, layout.width, 1), np.float32)
     for y, x, h, w in layout.regions.values():
-        mask[:, y:y + h, x:x + w] = 1.0
+        mask[:, y : y + h, x : x + w] = 1.0
     return mask
 
 
 def unpack(canvas: jax.Array, layout: CanvasLayout) -> dict[int, jax.Array]:
     """`[B, height, width, C]` -> `{level: [B, h_l, w_l, C]}` (static slices)."""
-    return {level: canvas[:, y:y + h, x:x + w, :] for level, (y, x, h, w) in layout.regions.items()}
+    return {level: canvas[:, y : y + h, x : x + w, :] for level, (y, x, h, w) in layout.regions.items()}

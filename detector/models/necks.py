@@ -47,8 +47,9 @@ class FPN(PyramidNeck):
         top_backbone_level = max(backbone_features)
         fused_levels = range(self.min_level, min(self.max_level, top_backbone_level) + 1)
         laterals = {
-            level: conv(self.features, 1, dtype=self.dtype, kernel_init=nn.initializers.lecun_normal(),
-                        name=f"lateral{level}")(backbone_features[level])
+            level: conv(
+                self.features, 1, dtype=self.dtype, kernel_init=nn.initializers.lecun_normal(), name=f"lateral{level}"
+            )(backbone_features[level])
             for level in fused_levels
         }
         merged = {}
@@ -59,15 +60,22 @@ class FPN(PyramidNeck):
             merged[level] = x
         pyramid = {
             level: constrain_activation(
-                conv(self.features, 3, dtype=self.dtype, kernel_init=nn.initializers.lecun_normal(),
-                     name=f"output{level}")(merged[level]))
+                conv(
+                    self.features,
+                    3,
+                    dtype=self.dtype,
+                    kernel_init=nn.initializers.lecun_normal(),
+                    name=f"output{level}",
+                )(merged[level])
+            )
             for level in fused_levels
         }
         return add_extra_levels(pyramid, self.features, self.max_level, self.dtype)
 
 
-def add_extra_levels(pyramid: dict[int, jax.Array], features: int, max_level: int,
-                     dtype: Any = jnp.float32) -> dict[int, jax.Array]:
+def add_extra_levels(
+    pyramid: dict[int, jax.Array], features: int, max_level: int, dtype: Any = jnp.float32
+) -> dict[int, jax.Array]:
     """Adds levels up to `max_level` by stride-2 3x3 convs on the top level (RetinaNet's P6/P7).
 
     Call from a compact `__call__`: the convs become the caller's submodules
@@ -99,22 +107,32 @@ class SimpleFeaturePyramid(PyramidNeck):
         top_level = max(backbone_features)
         x = backbone_features[top_level]
         if self.min_level < top_level - 2:
-            raise ConfigError(f"model.anchors.min_level={self.min_level}; the simple feature pyramid "
-                              f"builds levels {top_level - 2} and up")
+            raise ConfigError(
+                f"model.anchors.min_level={self.min_level}; the simple feature pyramid "
+                f"builds levels {top_level - 2} and up"
+            )
         pyramid = {}
         for level in range(self.min_level, min(self.max_level, top_level + 1) + 1):
             y = x
             for i in range(top_level - level):  # upsample by 2 per step
                 if i:
-                    y = nn.gelu(group_norm(y.shape[-1], num_groups=1, dtype=self.dtype,
-                                           name=f"p{level}_up_norm{i}")(y), approximate=False)
+                    y = nn.gelu(
+                        group_norm(y.shape[-1], num_groups=1, dtype=self.dtype, name=f"p{level}_up_norm{i}")(y),
+                        approximate=False,
+                    )
                 y = nn.ConvTranspose(
-                    y.shape[-1] // 2, (2, 2), strides=(2, 2), padding="VALID", dtype=self.dtype,
+                    y.shape[-1] // 2,
+                    (2, 2),
+                    strides=(2, 2),
+                    padding="VALID",
+                    dtype=self.dtype,
                     param_dtype=jnp.float32,
-                    kernel_init=nn.with_logical_partitioning(nn.initializers.lecun_normal(),
-                                                             ("kernel_h", "kernel_w", "conv_in", "conv_out")),
+                    kernel_init=nn.with_logical_partitioning(
+                        nn.initializers.lecun_normal(), ("kernel_h", "kernel_w", "conv_in", "conv_out")
+                    ),
                     bias_init=nn.with_logical_partitioning(nn.initializers.zeros, ("conv_out",)),
-                    name=f"p{level}_up{i}")(y)
+                    name=f"p{level}_up{i}",
+                )(y)
             if level > top_level:
                 y = nn.max_pool(y, (2, 2), strides=(2, 2), padding="SAME")
             y = conv(self.features, 1, use_bias=False, dtype=self.dtype, name=f"p{level}_lateral")(y)

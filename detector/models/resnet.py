@@ -17,8 +17,14 @@ import jax.numpy as jnp
 from flax import traverse_util
 
 from detector.errors import ConfigError
-from detector.models.layers import (FrozenBatchNorm, constrain_activation, conv, group_norm, rematerialized,
-                             symmetric_padding)
+from detector.models.layers import (
+    FrozenBatchNorm,
+    constrain_activation,
+    conv,
+    group_norm,
+    rematerialized,
+    symmetric_padding,
+)
 
 # "group": GroupNorm, trained (from-scratch training at a few images per device).
 # "frozen_bn": BatchNorm with fixed pretrained statistics and affine (fine-tuning ImageNet weights).
@@ -42,15 +48,22 @@ def resnet_padding(norm: str, kernel_size: int):
     return symmetric_padding(kernel_size) if norm == "frozen_bn" else "SAME"
 
 
-def resnet_conv(features: int, kernel_size: int, strides: int = 1, *, dtype: Any, norm: str,
-                name: str | None = None) -> nn.Conv:
+def resnet_conv(
+    features: int, kernel_size: int, strides: int = 1, *, dtype: Any, norm: str, name: str | None = None
+) -> nn.Conv:
     """A bias-free convolution, padded as `resnet_padding` says."""
-    return conv(features, kernel_size, strides, use_bias=False, dtype=dtype,
-                padding=resnet_padding(norm, kernel_size), name=name)
+    return conv(
+        features,
+        kernel_size,
+        strides,
+        use_bias=False,
+        dtype=dtype,
+        padding=resnet_padding(norm, kernel_size),
+        name=name,
+    )
 
 
-def norm_layer(norm: str, channels: int, *, dtype: Any, zero_init: bool = False,
-               name: str | None = None) -> nn.Module:
+def norm_layer(norm: str, channels: int, *, dtype: Any, zero_init: bool = False, name: str | None = None) -> nn.Module:
     """The normalisation `norm` names, over `[..., channels]`.
 
     `zero_init` starts a GroupNorm's scale at 0 (for the last norm of a
@@ -107,8 +120,7 @@ class BottleneckBlock(nn.Module):
         y = resnet_conv(self.features * 4, 1, dtype=self.dtype, norm=self.norm)(y)
         y = norm_layer(self.norm, self.features * 4, dtype=self.dtype, zero_init=True)(y)
         if residual.shape != y.shape:
-            residual = resnet_conv(self.features * 4, 1, self.strides, dtype=self.dtype,
-                                   norm=self.norm)(residual)
+            residual = resnet_conv(self.features * 4, 1, self.strides, dtype=self.dtype, norm=self.norm)(residual)
             residual = norm_layer(self.norm, self.features * 4, dtype=self.dtype)(residual)
         return constrain_activation(nn.relu(residual + y))
 
@@ -154,8 +166,13 @@ class ResNet(nn.Module):
         for stage, num_blocks in enumerate(self.stage_sizes):
             for index in range(num_blocks):
                 strides = 2 if stage > 0 and index == 0 else 1
-                x = block_cls(self.width * 2**stage, strides, dtype=self.dtype, norm=self.norm,
-                              name=f"stage{stage + 1}_block{index + 1}")(x)
+                x = block_cls(
+                    self.width * 2**stage,
+                    strides,
+                    dtype=self.dtype,
+                    norm=self.norm,
+                    name=f"stage{stage + 1}_block{index + 1}",
+                )(x)
             features[stage + 2] = x
         return features
 
@@ -164,7 +181,7 @@ def _stage_of(module_name: str) -> int:
     # 0 for the stem, s for the blocks of stage s ("stage{s}_block{i}").
     if module_name.startswith("stem_"):
         return 0
-    return int(module_name[len("stage"):].split("_", 1)[0])
+    return int(module_name[len("stage") :].split("_", 1)[0])
 
 
 def frozen_parameter_mask(backbone_params, *, norm: str = "group", freeze_stages: int = 0):
@@ -181,13 +198,16 @@ def frozen_parameter_mask(backbone_params, *, norm: str = "group", freeze_stages
     flat = traverse_util.flatten_dict(backbone_params)
     num_stages = 1 + len({key[0].split("_", 1)[0] for key in flat if key[0].startswith("stage")})
     if not isinstance(freeze_stages, int) or not 0 <= freeze_stages <= num_stages:
-        raise ConfigError(f"model.backbone.freeze_stages={freeze_stages!r}; use an integer from 0 (train all) "
-                          f"to {num_stages} (the stem and all {num_stages - 1} residual stages)")
+        raise ConfigError(
+            f"model.backbone.freeze_stages={freeze_stages!r}; use an integer from 0 (train all) "
+            f"to {num_stages} (the stem and all {num_stages - 1} residual stages)"
+        )
 
     def frozen(path: tuple[str, ...]) -> bool:
         if _stage_of(path[0]) < freeze_stages:
             return True
-        return norm == "frozen_bn" and (path[0] == STEM_NORM_NAME or
-                                        any(part.startswith(FrozenBatchNorm.__name__) for part in path))
+        return norm == "frozen_bn" and (
+            path[0] == STEM_NORM_NAME or any(part.startswith(FrozenBatchNorm.__name__) for part in path)
+        )
 
     return traverse_util.unflatten_dict({path: frozen(path) for path in flat})

@@ -9,12 +9,11 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
-from detector.models.resnet import ResNet
 from detector.errors import ConfigError
-from detector.models.necks import FPN
 from detector.models import level_packing
 from detector.models.layers import constrain_activation, conv, group_norm
-from detector.models.necks import SimpleFeaturePyramid
+from detector.models.necks import FPN, SimpleFeaturePyramid
+from detector.models.resnet import ResNet
 from detector.models.vit import ViT
 
 
@@ -40,21 +39,37 @@ class RetinaNetHead(nn.Module):
 
         def tower_layers(prefix):
             # Modules are created once and applied to every level: shared weights.
-            return [(conv(self.features, 3, dtype=self.dtype, kernel_init=nn.initializers.normal(0.01),
-                          name=f"{prefix}_conv{i}"),
-                     group_norm(self.features, dtype=self.dtype, name=f"{prefix}_norm{i}")
-                     if self.norm == "group" else None)
-                    for i in range(self.num_convs)]
+            return [
+                (
+                    conv(
+                        self.features,
+                        3,
+                        dtype=self.dtype,
+                        kernel_init=nn.initializers.normal(0.01),
+                        name=f"{prefix}_conv{i}",
+                    ),
+                    group_norm(self.features, dtype=self.dtype, name=f"{prefix}_norm{i}")
+                    if self.norm == "group"
+                    else None,
+                )
+                for i in range(self.num_convs)
+            ]
 
         cls_tower, box_tower = tower_layers("cls"), tower_layers("box")
         # The prior bias makes every anchor start as background with p=0.01, so
         # the focal loss of ~100k easy negatives does not swamp the first steps.
         prior_bias = -math.log((1.0 - self.prior_probability) / self.prior_probability)
-        cls_out = conv(self.num_anchors * self.num_classes, 3, dtype=self.dtype,
-                       kernel_init=nn.initializers.normal(0.01),
-                       bias_init=nn.initializers.constant(prior_bias), name="cls_logits")
-        box_out = conv(self.num_anchors * 4, 3, dtype=self.dtype,
-                       kernel_init=nn.initializers.normal(0.01), name="box_deltas")
+        cls_out = conv(
+            self.num_anchors * self.num_classes,
+            3,
+            dtype=self.dtype,
+            kernel_init=nn.initializers.normal(0.01),
+            bias_init=nn.initializers.constant(prior_bias),
+            name="cls_logits",
+        )
+        box_out = conv(
+            self.num_anchors * 4, 3, dtype=self.dtype, kernel_init=nn.initializers.normal(0.01), name="box_deltas"
+        )
 
         # Each conv runs once on a canvas holding every level (see
         # level_packing: one kernel-gradient reduction instead of one per
@@ -72,8 +87,9 @@ class RetinaNetHead(nn.Module):
                     x = constrain_activation(nn.relu(conv_layer(x)) * in_regions)
                     continue
                 levels = level_packing.unpack(conv_layer(x), layout)
-                x = constrain_activation(level_packing.pack(
-                    {level: nn.relu(norm_layer(y)) for level, y in levels.items()}, layout))
+                x = constrain_activation(
+                    level_packing.pack({level: nn.relu(norm_layer(y)) for level, y in levels.items()}, layout)
+                )
             return x
 
         logits = level_packing.unpack(cls_out(tower(cls_tower)), layout)
@@ -82,8 +98,10 @@ class RetinaNetHead(nn.Module):
         all_logits = [logits[level].reshape(batch, -1, self.num_classes) for level in sorted(pyramid)]
         all_deltas = [deltas[level].reshape(batch, -1, 4) for level in sorted(pyramid)]
         # Losses and post-processing run in float32 whatever the compute dtype.
-        return (jnp.concatenate(all_logits, axis=1).astype(jnp.float32),
-                jnp.concatenate(all_deltas, axis=1).astype(jnp.float32))
+        return (
+            jnp.concatenate(all_logits, axis=1).astype(jnp.float32),
+            jnp.concatenate(all_deltas, axis=1).astype(jnp.float32),
+        )
 
 
 class RetinaNet(nn.Module):
@@ -120,19 +138,38 @@ def create_model(model_config, num_classes: int, num_anchors: int) -> RetinaNet:
     name = backbone_config.get("name", None)
     levels = dict(min_level=model_config.anchors.min_level, max_level=model_config.anchors.max_level)
     if name == "resnet":
-        backbone = ResNet(tuple(backbone_config.stage_sizes), backbone_config.width, backbone_config.block,
-                          model_config.remat, dtype, norm=backbone_config.get("norm", "group"))
+        backbone = ResNet(
+            tuple(backbone_config.stage_sizes),
+            backbone_config.width,
+            backbone_config.block,
+            model_config.remat,
+            dtype,
+            norm=backbone_config.get("norm", "group"),
+        )
         neck = FPN(model_config.fpn_features, **levels, dtype=dtype)
     elif name == "vit":
-        backbone = ViT(patch_size=backbone_config.patch_size, embed_dim=backbone_config.embed_dim,
-                       depth=backbone_config.depth, num_heads=backbone_config.num_heads,
-                       mlp_ratio=backbone_config.mlp_ratio, window_size=backbone_config.window_size,
-                       global_attention_every=backbone_config.global_attention_every,
-                       pretrain_image_size=backbone_config.pretrain_image_size,
-                       remat=model_config.remat, scan=backbone_config.scan, dtype=dtype)
+        backbone = ViT(
+            patch_size=backbone_config.patch_size,
+            embed_dim=backbone_config.embed_dim,
+            depth=backbone_config.depth,
+            num_heads=backbone_config.num_heads,
+            mlp_ratio=backbone_config.mlp_ratio,
+            window_size=backbone_config.window_size,
+            global_attention_every=backbone_config.global_attention_every,
+            pretrain_image_size=backbone_config.pretrain_image_size,
+            remat=model_config.remat,
+            scan=backbone_config.scan,
+            dtype=dtype,
+        )
         neck = SimpleFeaturePyramid(model_config.fpn_features, **levels, dtype=dtype)
     else:
         raise ConfigError(f"model.backbone.name={name!r}; use one of {', '.join(BACKBONES)}")
-    head = RetinaNetHead(num_classes, num_anchors, model_config.head_convs, model_config.head_features,
-                         norm=model_config.get("head_norm", "group"), dtype=dtype)
+    head = RetinaNetHead(
+        num_classes,
+        num_anchors,
+        model_config.head_convs,
+        model_config.head_features,
+        norm=model_config.get("head_norm", "group"),
+        dtype=dtype,
+    )
     return RetinaNet(backbone=backbone, neck=neck, head=head)

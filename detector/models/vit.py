@@ -32,12 +32,16 @@ TOKEN_GRID_AXES = ("batch", "height", "width", "act_embed")
 HEAD_AXES = ("batch", "tokens", "act_heads", "kv")
 MLP_AXES = ("batch", "tokens", "act_mlp")
 
+
 def _layer_norm(dtype: Any, name: str) -> nn.LayerNorm:
     return nn.LayerNorm(
-        epsilon=1e-6, dtype=dtype, param_dtype=jnp.float32,
+        epsilon=1e-6,
+        dtype=dtype,
+        param_dtype=jnp.float32,
         scale_init=nn.with_logical_partitioning(nn.initializers.ones, ("norm",)),
         bias_init=nn.with_logical_partitioning(nn.initializers.zeros, ("norm",)),
-        name=name)
+        name=name,
+    )
 
 
 def _window_partition(x: jax.Array, window: int) -> tuple[jax.Array, tuple[int, int]]:
@@ -50,13 +54,12 @@ def _window_partition(x: jax.Array, window: int) -> tuple[jax.Array, tuple[int, 
     return x.reshape(-1, window, window, c), (hp, wp)
 
 
-def _window_unpartition(windows: jax.Array, window: int, padded_hw: tuple[int, int],
-                        hw: tuple[int, int]) -> jax.Array:
+def _window_unpartition(windows: jax.Array, window: int, padded_hw: tuple[int, int], hw: tuple[int, int]) -> jax.Array:
     """Inverse of `_window_partition`, cropping the padding."""
     hp, wp = padded_hw
     c = windows.shape[-1]
     x = windows.reshape(-1, hp // window, wp // window, window, window, c).transpose(0, 1, 3, 2, 4, 5)
-    return x.reshape(-1, hp, wp, c)[:, :hw[0], :hw[1], :]
+    return x.reshape(-1, hp, wp, c)[:, : hw[0], : hw[1], :]
 
 
 class Projection(nn.Module):
@@ -74,15 +77,17 @@ class Projection(nn.Module):
 
     @nn.compact
     def __call__(self, x: jax.Array) -> jax.Array:
-        in_shape = x.shape[x.ndim - self.contract:]
+        in_shape = x.shape[x.ndim - self.contract :]
         in_dims = tuple(range(self.contract))
         out_dims = tuple(range(self.contract, self.contract + len(self.features)))
         # Glorot-uniform over the whole fan-in and fan-out, as for a 2-D kernel.
         init = nn.initializers.variance_scaling(1.0, "fan_avg", "uniform", in_axis=in_dims, out_axis=out_dims)
-        kernel = self.param("kernel", nn.with_logical_partitioning(init, self.kernel_axes),
-                            (*in_shape, *self.features), jnp.float32)
-        bias = self.param("bias", nn.with_logical_partitioning(nn.initializers.zeros, self.bias_axes),
-                          self.features, jnp.float32)
+        kernel = self.param(
+            "kernel", nn.with_logical_partitioning(init, self.kernel_axes), (*in_shape, *self.features), jnp.float32
+        )
+        bias = self.param(
+            "bias", nn.with_logical_partitioning(nn.initializers.zeros, self.bias_axes), self.features, jnp.float32
+        )
         x_dims = tuple(range(x.ndim - self.contract, x.ndim))
         y = jax.lax.dot_general(x.astype(self.dtype), kernel.astype(self.dtype), ((x_dims, in_dims), ((), ())))
         return y + bias.astype(self.dtype)
@@ -103,16 +108,20 @@ class Attention(nn.Module):
             x, padded_hw = _window_partition(x, self.window_size)
         groups, gh, gw, _ = x.shape
         tokens = x.reshape(groups, gh * gw, embed)
-        qkv = Projection((3, self.num_heads, head_dim), ("embed", None, "heads", "kv"), (None, "heads", "kv"),
-                         dtype=self.dtype, name="qkv")(tokens)
+        qkv = Projection(
+            (3, self.num_heads, head_dim),
+            ("embed", None, "heads", "kv"),
+            (None, "heads", "kv"),
+            dtype=self.dtype,
+            name="qkv",
+        )(tokens)
         q, k, v = (nn.with_logical_constraint(qkv[:, :, i], HEAD_AXES) for i in range(3))
         # Logits and softmax in float32: bf16 loses the small differences that
         # decide attention over thousands of tokens.
         logits = jnp.einsum("bqhd,bkhd->bhqk", q, k, preferred_element_type=jnp.float32) * head_dim**-0.5
         weights = jax.nn.softmax(logits, axis=-1).astype(self.dtype)
         out = nn.with_logical_constraint(jnp.einsum("bhqk,bkhd->bqhd", weights, v), HEAD_AXES)
-        out = Projection((embed,), ("heads", "kv", "embed"), ("norm",), contract=2, dtype=self.dtype,
-                         name="out")(out)
+        out = Projection((embed,), ("heads", "kv", "embed"), ("norm",), contract=2, dtype=self.dtype, name="out")(out)
         out = out.reshape(groups, gh, gw, embed)
         if self.window_size:
             out = _window_unpartition(out, self.window_size, padded_hw, (h, w))
@@ -127,15 +136,23 @@ class Mlp(nn.Module):
     def __call__(self, x: jax.Array) -> jax.Array:
         b, h, w, embed = x.shape
         tokens = x.reshape(b, h * w, embed)
-        y = nn.Dense(self.hidden, dtype=self.dtype, param_dtype=jnp.float32,
-                     kernel_init=nn.with_logical_partitioning(nn.initializers.xavier_uniform(), ("embed", "mlp")),
-                     bias_init=nn.with_logical_partitioning(nn.initializers.zeros, ("mlp",)),
-                     name="fc1")(tokens)
+        y = nn.Dense(
+            self.hidden,
+            dtype=self.dtype,
+            param_dtype=jnp.float32,
+            kernel_init=nn.with_logical_partitioning(nn.initializers.xavier_uniform(), ("embed", "mlp")),
+            bias_init=nn.with_logical_partitioning(nn.initializers.zeros, ("mlp",)),
+            name="fc1",
+        )(tokens)
         y = nn.with_logical_constraint(nn.gelu(y, approximate=False), MLP_AXES)
-        y = nn.Dense(embed, dtype=self.dtype, param_dtype=jnp.float32,
-                     kernel_init=nn.with_logical_partitioning(nn.initializers.xavier_uniform(), ("mlp", "embed")),
-                     bias_init=nn.with_logical_partitioning(nn.initializers.zeros, ("norm",)),
-                     name="fc2")(y)
+        y = nn.Dense(
+            embed,
+            dtype=self.dtype,
+            param_dtype=jnp.float32,
+            kernel_init=nn.with_logical_partitioning(nn.initializers.xavier_uniform(), ("mlp", "embed")),
+            bias_init=nn.with_logical_partitioning(nn.initializers.zeros, ("norm",)),
+            name="fc2",
+        )(y)
         return y.reshape(b, h, w, embed)
 
 
@@ -165,8 +182,13 @@ def _block_class(remat: str, scanned: bool):
 
 
 def _stack(block_cls, length: int, axis_name: str):
-    return nn.scan(block_cls, variable_axes={"params": 0}, split_rngs={"params": True}, length=length,
-                   metadata_params={nn.PARTITION_NAME: axis_name})
+    return nn.scan(
+        block_cls,
+        variable_axes={"params": 0},
+        split_rngs={"params": True},
+        length=length,
+        metadata_params={nn.PARTITION_NAME: axis_name},
+    )
 
 
 class Stage(nn.Module):
@@ -185,11 +207,13 @@ class Stage(nn.Module):
         block_cls = _block_class(self.remat, self.scan)
         if self.windowed_blocks and self.scan:
             x, _ = _stack(block_cls, self.windowed_blocks, "layers")(
-                self.num_heads, self.mlp_hidden, self.window_size, self.dtype, name="windowed")(x, None)
+                self.num_heads, self.mlp_hidden, self.window_size, self.dtype, name="windowed"
+            )(x, None)
         else:
             for i in range(self.windowed_blocks):
-                x, _ = block_cls(self.num_heads, self.mlp_hidden, self.window_size, self.dtype,
-                                 name=f"windowed{i}")(x, None)
+                x, _ = block_cls(self.num_heads, self.mlp_hidden, self.window_size, self.dtype, name=f"windowed{i}")(
+                    x, None
+                )
         x, _ = block_cls(self.num_heads, self.mlp_hidden, 0, self.dtype, name="global")(x, None)
         return x, None
 
@@ -224,25 +248,43 @@ class ViT(nn.Module):
     @nn.compact
     def __call__(self, images: jax.Array) -> dict[int, jax.Array]:
         if self.depth % self.global_attention_every:
-            raise ConfigError(f"model.backbone.depth={self.depth} is not a multiple of "
-                              f"global_attention_every={self.global_attention_every}")
+            raise ConfigError(
+                f"model.backbone.depth={self.depth} is not a multiple of "
+                f"global_attention_every={self.global_attention_every}"
+            )
         if self.embed_dim % self.num_heads:
-            raise ConfigError(f"model.backbone.embed_dim={self.embed_dim} is not divisible by "
-                              f"num_heads={self.num_heads}")
+            raise ConfigError(
+                f"model.backbone.embed_dim={self.embed_dim} is not divisible by num_heads={self.num_heads}"
+            )
         if self.patch_size != 16:
             raise ConfigError(f"model.backbone.patch_size={self.patch_size}; the pyramid expects 16")
-        x = conv(self.embed_dim, self.patch_size, self.patch_size, dtype=self.dtype,
-                 kernel_init=nn.initializers.lecun_normal(), name="patch_embed")(images.astype(self.dtype))
+        x = conv(
+            self.embed_dim,
+            self.patch_size,
+            self.patch_size,
+            dtype=self.dtype,
+            kernel_init=nn.initializers.lecun_normal(),
+            name="patch_embed",
+        )(images.astype(self.dtype))
         grid = self.pretrain_image_size // self.patch_size
-        pos = self.param("pos_embed", nn.with_logical_partitioning(
-            nn.initializers.truncated_normal(0.02), (None, None, None, "norm")), (1, grid, grid, self.embed_dim))
+        pos = self.param(
+            "pos_embed",
+            nn.with_logical_partitioning(nn.initializers.truncated_normal(0.02), (None, None, None, "norm")),
+            (1, grid, grid, self.embed_dim),
+        )
         if (grid, grid) != x.shape[1:3]:
             pos = jax.image.resize(pos, (1, *x.shape[1:3], self.embed_dim), method="bicubic")
         x = nn.with_logical_constraint(x + pos.astype(self.dtype), TOKEN_GRID_AXES)
 
-        stage_kwargs = dict(windowed_blocks=self.global_attention_every - 1, num_heads=self.num_heads,
-                            mlp_hidden=int(self.embed_dim * self.mlp_ratio), window_size=self.window_size,
-                            remat=self.remat, scan=self.scan, dtype=self.dtype)
+        stage_kwargs = dict(
+            windowed_blocks=self.global_attention_every - 1,
+            num_heads=self.num_heads,
+            mlp_hidden=int(self.embed_dim * self.mlp_ratio),
+            window_size=self.window_size,
+            remat=self.remat,
+            scan=self.scan,
+            dtype=self.dtype,
+        )
         num_stages = self.depth // self.global_attention_every
         if self.scan:
             x, _ = _stack(Stage, num_stages, "stages")(**stage_kwargs, name="stages")(x, None)

@@ -32,9 +32,9 @@ import jax
 import numpy as np
 from flax import traverse_util
 
-from detector.models.resnet import STEM_NORM_NAME
 from detector.errors import WeightsFileError
 from detector.models.layers import FrozenBatchNorm
+from detector.models.resnet import STEM_NORM_NAME
 
 # torch.nn.BatchNorm2d's default, which torchvision's ResNets keep.
 BATCH_NORM_EPS = 1e-5
@@ -54,8 +54,10 @@ def _torch_tensors_as_numpy(path: str) -> dict[str, np.ndarray]:
     try:
         import torch
     except ImportError:
-        raise WeightsFileError(f"{path}: reading a PyTorch checkpoint needs torch (pip install torch), or "
-                               "convert it elsewhere to .npz or .safetensors") from None
+        raise WeightsFileError(
+            f"{path}: reading a PyTorch checkpoint needs torch (pip install torch), or "
+            "convert it elsewhere to .npz or .safetensors"
+        ) from None
     loaded = torch.load(path, map_location="cpu", weights_only=True)
     # Training checkpoints wrap the weights: {"model": ...} or {"state_dict": ...}.
     for wrapper in ("state_dict", "model"):
@@ -63,8 +65,9 @@ def _torch_tensors_as_numpy(path: str) -> dict[str, np.ndarray]:
             loaded = loaded[wrapper]
     if not isinstance(loaded, Mapping) or not all(isinstance(v, torch.Tensor) for v in loaded.values()):
         raise WeightsFileError(f"{path}: not a state dict (a mapping of names to tensors)")
-    return {name: (t.detach().float() if t.is_floating_point() else t.detach()).cpu().numpy()
-            for name, t in loaded.items()}
+    return {
+        name: (t.detach().float() if t.is_floating_point() else t.detach()).cpu().numpy() for name, t in loaded.items()
+    }
 
 
 def read_state_dict(path: str | os.PathLike) -> dict[str, np.ndarray]:
@@ -80,8 +83,9 @@ def read_state_dict(path: str | os.PathLike) -> dict[str, np.ndarray]:
     path = os.fspath(path)
     suffix = os.path.splitext(path)[1].lower()
     if suffix not in SUFFIXES:
-        raise WeightsFileError(f"{path}: unknown weights file type {suffix or '(no suffix)'!r}; "
-                               f"use one of {', '.join(SUFFIXES)}")
+        raise WeightsFileError(
+            f"{path}: unknown weights file type {suffix or '(no suffix)'!r}; use one of {', '.join(SUFFIXES)}"
+        )
     if not os.path.isfile(path):
         raise FileNotFoundError(f"pretrained weights file not found: {path}")
     if suffix == ".npz":
@@ -91,13 +95,15 @@ def read_state_dict(path: str | os.PathLike) -> dict[str, np.ndarray]:
         try:
             from safetensors.numpy import load_file
         except ImportError:
-            raise WeightsFileError(f"{path}: reading .safetensors needs the safetensors package "
-                                   "(pip install safetensors, or pip install '.[pretrained]')") from None
+            raise WeightsFileError(
+                f"{path}: reading .safetensors needs the safetensors package "
+                "(pip install safetensors, or pip install '.[pretrained]')"
+            ) from None
         tensors = load_file(path)
     else:
         tensors = _torch_tensors_as_numpy(path)
     if tensors and all(name.startswith("module.") for name in tensors):
-        tensors = {name[len("module."):]: value for name, value in tensors.items()}
+        tensors = {name[len("module.") :]: value for name, value in tensors.items()}
     return tensors
 
 
@@ -120,8 +126,10 @@ def torchvision_stage_sizes(state_dict: Mapping[str, Any]) -> tuple[int, ...]:
             stage, index = int(match[1]), int(match[2])
             blocks[stage] = max(blocks.get(stage, 0), index + 1)
     if not blocks or sorted(blocks) != list(range(1, len(blocks) + 1)):
-        raise WeightsFileError(f"not a torchvision ResNet state dict: residual stages {sorted(blocks)} "
-                               "(names layer1.0.conv1.weight, ...) where layer1..layerN are expected")
+        raise WeightsFileError(
+            f"not a torchvision ResNet state dict: residual stages {sorted(blocks)} "
+            "(names layer1.0.conv1.weight, ...) where layer1..layerN are expected"
+        )
     return tuple(blocks[stage] for stage in sorted(blocks))
 
 
@@ -136,18 +144,27 @@ def _torchvision_layout(stage_sizes: tuple[int, ...], bottleneck: bool, width: i
             torch_block = f"layer{stage + 1}.{index}"
             block = f"stage{stage + 1}_block{index + 1}"
             if bottleneck:
-                shapes = [(features, in_channels, 1, 1), (features, features, 3, 3),
-                          (features * 4, features, 1, 1)]
+                shapes = [(features, in_channels, 1, 1), (features, features, 3, 3), (features * 4, features, 1, 1)]
             else:
                 shapes = [(features, in_channels, 3, 3), (features, features, 3, 3)]
             for k, shape in enumerate(shapes):
-                yield (f"{torch_block}.conv{k + 1}", f"{torch_block}.bn{k + 1}", (block, f"Conv_{k}"),
-                       (block, f"{FrozenBatchNorm.__name__}_{k}"), shape)
+                yield (
+                    f"{torch_block}.conv{k + 1}",
+                    f"{torch_block}.bn{k + 1}",
+                    (block, f"Conv_{k}"),
+                    (block, f"{FrozenBatchNorm.__name__}_{k}"),
+                    shape,
+                )
             strides = 2 if stage > 0 and index == 0 else 1
             if strides != 1 or in_channels != features * expansion:
                 k = len(shapes)
-                yield (f"{torch_block}.downsample.0", f"{torch_block}.downsample.1", (block, f"Conv_{k}"),
-                       (block, f"{FrozenBatchNorm.__name__}_{k}"), (features * expansion, in_channels, 1, 1))
+                yield (
+                    f"{torch_block}.downsample.0",
+                    f"{torch_block}.downsample.1",
+                    (block, f"Conv_{k}"),
+                    (block, f"{FrozenBatchNorm.__name__}_{k}"),
+                    (features * expansion, in_channels, 1, 1),
+                )
             in_channels = features * expansion
 
 
@@ -180,15 +197,20 @@ def convert_torchvision_resnet(state_dict: Mapping[str, Any], stage_sizes=(3, 4,
     missing, unexpected = sorted(set(expected) - present), sorted(present - set(expected))
     if missing or unexpected:
         kind = "bottleneck" if bottleneck else "basic"
-        problems = [f"{len(missing)} missing ({_describe(missing)})" if missing else "",
-                    f"{len(unexpected)} unexpected ({_describe(unexpected)})" if unexpected else ""]
-        raise WeightsFileError(f"the state dict does not fit a torchvision ResNet with {kind} blocks, "
-                               f"stage sizes {stage_sizes}, width {width}: "
-                               f"{'; '.join(p for p in problems if p)} tensors")
+        problems = [
+            f"{len(missing)} missing ({_describe(missing)})" if missing else "",
+            f"{len(unexpected)} unexpected ({_describe(unexpected)})" if unexpected else "",
+        ]
+        raise WeightsFileError(
+            f"the state dict does not fit a torchvision ResNet with {kind} blocks, "
+            f"stage sizes {stage_sizes}, width {width}: "
+            f"{'; '.join(p for p in problems if p)} tensors"
+        )
     for name, shape in expected.items():
         if tuple(np.shape(state_dict[name])) != tuple(shape):
-            raise WeightsFileError(f"tensor {name} has shape {tuple(np.shape(state_dict[name]))}; "
-                                   f"this ResNet needs {tuple(shape)}")
+            raise WeightsFileError(
+                f"tensor {name} has shape {tuple(np.shape(state_dict[name]))}; this ResNet needs {tuple(shape)}"
+            )
     params: dict[tuple[str, ...], np.ndarray] = {}
     for conv_name, bn_name, conv_path, norm_path, _ in layout:
         weight = np.asarray(state_dict[f"{conv_name}.weight"], np.float32)
@@ -213,8 +235,10 @@ def _is_torchvision_layout(tensors: Mapping[str, Any]) -> bool:
     # Our layout names paths with '/', torchvision's with '.' only.
     with_slash = sum("/" in name for name in tensors)
     if with_slash and with_slash != len(tensors):
-        raise WeightsFileError("the file mixes 'module/param' names (this project's layout) with "
-                               "'module.param' names (torchvision's); convert it again")
+        raise WeightsFileError(
+            "the file mixes 'module/param' names (this project's layout) with "
+            "'module.param' names (torchvision's); convert it again"
+        )
     return not with_slash
 
 
@@ -266,19 +290,26 @@ def load_backbone_params(params, path: str | os.PathLike):
         raise WeightsFileError(f"{path}: {e}") from None
     missing, unexpected = sorted(set(flat_model) - set(tensors)), sorted(set(tensors) - set(flat_model))
     if missing or unexpected:
-        problems = [f"{len(missing)} missing ({_describe(missing)})" if missing else "",
-                    f"{len(unexpected)} unexpected ({_describe(unexpected)})" if unexpected else ""]
+        problems = [
+            f"{len(missing)} missing ({_describe(missing)})" if missing else "",
+            f"{len(unexpected)} unexpected ({_describe(unexpected)})" if unexpected else "",
+        ]
         hint = ""
-        if any("GroupNorm" in name for name in missing) and any(FrozenBatchNorm.__name__ in name for name in unexpected):
-            hint = ("; the model uses GroupNorm, pretrained BatchNorm weights need "
-                    "config.model.backbone.norm='frozen_bn'")
-        raise WeightsFileError(f"{path} does not fit the model's backbone: "
-                               f"{'; '.join(p for p in problems if p)} tensors{hint}")
+        if any("GroupNorm" in name for name in missing) and any(
+            FrozenBatchNorm.__name__ in name for name in unexpected
+        ):
+            hint = (
+                "; the model uses GroupNorm, pretrained BatchNorm weights need config.model.backbone.norm='frozen_bn'"
+            )
+        raise WeightsFileError(
+            f"{path} does not fit the model's backbone: {'; '.join(p for p in problems if p)} tensors{hint}"
+        )
     loaded = {}
     for name, model_leaf in flat_model.items():
         model_shape = tuple(_leaf_value(model_leaf).shape)
         if tuple(tensors[name].shape) != model_shape:
-            raise WeightsFileError(f"{path}: tensor {name} has shape {tuple(tensors[name].shape)}; "
-                                   f"the model's is {model_shape}")
+            raise WeightsFileError(
+                f"{path}: tensor {name} has shape {tuple(tensors[name].shape)}; the model's is {model_shape}"
+            )
         loaded[name] = _like(model_leaf, tensors[name])
     return {**params, "backbone": traverse_util.unflatten_dict(loaded, sep="/")}

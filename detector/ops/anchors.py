@@ -17,7 +17,7 @@ convention; only the order inside one location differs.
 from __future__ import annotations
 
 import math
-from typing import Sequence
+from collections.abc import Sequence
 
 import jax.numpy as jnp
 import numpy as np
@@ -25,16 +25,20 @@ import numpy as np
 from detector.ops import box_ops
 
 
-def num_anchors_per_location(num_scales: int,
-                             aspect_ratios: Sequence[float]) -> int:
+def num_anchors_per_location(num_scales: int, aspect_ratios: Sequence[float]) -> int:
     """Number of anchors centred on one grid position of one level."""
     return int(num_scales) * len(aspect_ratios)
 
 
-def generate_anchors(image_height: int, image_width: int, min_level: int,
-                     max_level: int, num_scales: int,
-                     aspect_ratios: Sequence[float],
-                     anchor_size: float) -> np.ndarray:
+def generate_anchors(
+    image_height: int,
+    image_width: int,
+    min_level: int,
+    max_level: int,
+    num_scales: int,
+    aspect_ratios: Sequence[float],
+    anchor_size: float,
+) -> np.ndarray:
     """All anchors of a feature pyramid, as a config-time numpy constant.
 
     Level ``l`` has stride ``2**l`` and a ``ceil(H / 2**l) x ceil(W / 2**l)``
@@ -61,7 +65,7 @@ def generate_anchors(image_height: int, image_width: int, min_level: int,
         raise ValueError(f"max_level {max_level} < min_level {min_level}")
     if num_scales < 1 or not aspect_ratios:
         raise ValueError("need num_scales >= 1 and at least one aspect ratio")
-    scales = 2.0**(np.arange(num_scales, dtype=np.float64) / num_scales)
+    scales = 2.0 ** (np.arange(num_scales, dtype=np.float64) / num_scales)
     ratios = np.asarray(aspect_ratios, dtype=np.float64)
     # [S, R]: scale-major, ratio-minor once flattened.
     rel_h = scales[:, None] * np.sqrt(ratios)[None, :]
@@ -81,22 +85,21 @@ def generate_anchors(image_height: int, image_width: int, min_level: int,
         # Broadcast to [grid_h, grid_w, S*R] so the flattening order is y, x, anchor.
         cy = cy[:, None, None]
         cx = cx[None, :, None]
-        boxes = np.stack(
-            np.broadcast_arrays(cy - half_h, cx - half_w, cy + half_h,
-                                cx + half_w),
-            axis=-1)
+        boxes = np.stack(np.broadcast_arrays(cy - half_h, cx - half_w, cy + half_h, cx + half_w), axis=-1)
         per_level.append(boxes.reshape(-1, 4))
     return np.concatenate(per_level, axis=0).astype(np.float32)
 
 
-def assign_targets(anchors_yxyx,
-                   gt_boxes_yxyx,
-                   gt_labels,
-                   gt_mask,
-                   positive_iou: float = 0.5,
-                   negative_iou: float = 0.4,
-                   allow_low_quality_matches: bool = True,
-                   box_coder_weights: Sequence[float] = (1.0, 1.0, 1.0, 1.0)):
+def assign_targets(
+    anchors_yxyx,
+    gt_boxes_yxyx,
+    gt_labels,
+    gt_mask,
+    positive_iou: float = 0.5,
+    negative_iou: float = 0.4,
+    allow_low_quality_matches: bool = True,
+    box_coder_weights: Sequence[float] = (1.0, 1.0, 1.0, 1.0),
+):
     """Matches the anchors of ONE image to its ground-truth boxes (vmap for a batch).
 
     Each anchor is matched to the valid gt of highest IoU (the first one on
@@ -168,8 +171,7 @@ def assign_targets(anchors_yxyx,
     matched_boxes = jnp.where(positive[:, None], matched_boxes, 0.0)
     # Non-positives encode against their own anchor, which yields exact zeros.
     encode_from = jnp.where(positive[:, None], matched_boxes, anchors_yxyx)
-    box_targets = box_ops.encode_boxes(encode_from, anchors_yxyx,
-                                       box_coder_weights)
+    box_targets = box_ops.encode_boxes(encode_from, anchors_yxyx, box_coder_weights)
     box_targets = jnp.where(positive[:, None], box_targets, 0.0)
     labels = jnp.where(positive, gt_labels[matched], -1)
     return {

@@ -11,7 +11,7 @@ have static output shapes and work under ``jit``, ``vmap`` and ``grad``.
 from __future__ import annotations
 
 import math
-from typing import Sequence
+from collections.abc import Sequence
 
 import jax.numpy as jnp
 
@@ -27,8 +27,7 @@ BoxCoderWeights = Sequence[float]
 
 
 def _split(boxes_yxyx):
-    return (boxes_yxyx[..., 0], boxes_yxyx[..., 1], boxes_yxyx[..., 2],
-            boxes_yxyx[..., 3])
+    return (boxes_yxyx[..., 0], boxes_yxyx[..., 1], boxes_yxyx[..., 2], boxes_yxyx[..., 3])
 
 
 def _safe_div(num, den):
@@ -78,8 +77,7 @@ def pairwise_iou(boxes1_yxyx, boxes2_yxyx):
         float ``[..., N, M]`` IoU in [0, 1]; 0 where the union is empty (two
         degenerate boxes).
     """
-    iou, _ = _aligned_iou_and_union(boxes1_yxyx[..., :, None, :],
-                                    boxes2_yxyx[..., None, :, :])
+    iou, _ = _aligned_iou_and_union(boxes1_yxyx[..., :, None, :], boxes2_yxyx[..., None, :, :])
     return iou
 
 
@@ -119,8 +117,7 @@ def _centre_size(boxes_yxyx):
     return y0 + 0.5 * h, x0 + 0.5 * w, h, w
 
 
-def encode_boxes(boxes_yxyx, anchors_yxyx,
-                 weights: BoxCoderWeights = (1.0, 1.0, 1.0, 1.0)):
+def encode_boxes(boxes_yxyx, anchors_yxyx, weights: BoxCoderWeights = (1.0, 1.0, 1.0, 1.0)):
     """Encodes boxes as regression deltas relative to anchors.
 
     The Faster R-CNN / RetinaNet coding on box centres and sizes:
@@ -148,9 +145,9 @@ def encode_boxes(boxes_yxyx, anchors_yxyx,
     return jnp.stack([ty, tx, th, tw], axis=-1)
 
 
-def decode_boxes(deltas, anchors_yxyx,
-                 weights: BoxCoderWeights = (1.0, 1.0, 1.0, 1.0),
-                 max_log_scale: float = DEFAULT_MAX_LOG_SCALE):
+def decode_boxes(
+    deltas, anchors_yxyx, weights: BoxCoderWeights = (1.0, 1.0, 1.0, 1.0), max_log_scale: float = DEFAULT_MAX_LOG_SCALE
+):
     """Inverse of :func:`encode_boxes`.
 
     Args:
@@ -173,8 +170,7 @@ def decode_boxes(deltas, anchors_yxyx,
     cx = dx * aw + acx
     h = jnp.exp(dh) * ah
     w = jnp.exp(dw) * aw
-    return jnp.stack([cy - 0.5 * h, cx - 0.5 * w, cy + 0.5 * h, cx + 0.5 * w],
-                     axis=-1)
+    return jnp.stack([cy - 0.5 * h, cx - 0.5 * w, cy + 0.5 * h, cx + 0.5 * w], axis=-1)
 
 
 def clip_boxes(boxes_yxyx, height, width):
@@ -190,8 +186,7 @@ def clip_boxes(boxes_yxyx, height, width):
         float ``[..., 4]`` clipped boxes.
     """
     dtype = boxes_yxyx.dtype
-    height, width = jnp.broadcast_arrays(jnp.asarray(height, dtype),
-                                         jnp.asarray(width, dtype))
+    height, width = jnp.broadcast_arrays(jnp.asarray(height, dtype), jnp.asarray(width, dtype))
     height = height[..., None]
     width = width[..., None]
     upper = jnp.concatenate([height, width, height, width], axis=-1)

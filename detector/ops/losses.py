@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Sequence
+from collections.abc import Sequence
 
 import jax
 import jax.numpy as jnp
@@ -12,8 +12,7 @@ from detector.ops import anchors as anchors_lib
 from detector.ops import box_ops
 
 
-def sigmoid_focal_loss(logits, targets, alpha: float = 0.25,
-                       gamma: float = 2.0):
+def sigmoid_focal_loss(logits, targets, alpha: float = 0.25, gamma: float = 2.0):
     """Elementwise sigmoid focal loss (Lin et al. 2017), torchvision's definition.
 
     ``loss = alpha_t * (1 - p_t)**gamma * BCE(logits, targets)``, with
@@ -39,8 +38,7 @@ def sigmoid_focal_loss(logits, targets, alpha: float = 0.25,
     if gamma == 0:
         loss = ce
     else:
-        one_minus_p_t = (targets * jax.nn.sigmoid(-logits) +
-                         (1.0 - targets) * jax.nn.sigmoid(logits))
+        one_minus_p_t = targets * jax.nn.sigmoid(-logits) + (1.0 - targets) * jax.nn.sigmoid(logits)
         loss = ce * jnp.power(one_minus_p_t, gamma)
     if alpha >= 0:
         alpha_t = alpha * targets + (1.0 - alpha) * (1.0 - targets)
@@ -70,24 +68,26 @@ def huber_loss(pred, target, delta: float):
     return jnp.where(x < delta, 0.5 * x * x / delta, x - 0.5 * delta)
 
 
-def retinanet_loss(cls_logits,
-                   box_deltas,
-                   anchors_yxyx,
-                   gt_boxes_yxyx,
-                   gt_labels,
-                   gt_mask,
-                   *,
-                   num_classes: int,
-                   positive_iou: float = 0.5,
-                   negative_iou: float = 0.4,
-                   allow_low_quality_matches: bool = True,
-                   focal_alpha: float = 0.25,
-                   focal_gamma: float = 2.0,
-                   box_loss: str = "huber",
-                   huber_delta: float = 0.1,
-                   box_loss_weight: float = 1.0,
-                   box_coder_weights: Sequence[float] = (1.0, 1.0, 1.0, 1.0),
-                   example_mask=None):
+def retinanet_loss(
+    cls_logits,
+    box_deltas,
+    anchors_yxyx,
+    gt_boxes_yxyx,
+    gt_labels,
+    gt_mask,
+    *,
+    num_classes: int,
+    positive_iou: float = 0.5,
+    negative_iou: float = 0.4,
+    allow_low_quality_matches: bool = True,
+    focal_alpha: float = 0.25,
+    focal_gamma: float = 2.0,
+    box_loss: str = "huber",
+    huber_delta: float = 0.1,
+    box_loss_weight: float = 1.0,
+    box_coder_weights: Sequence[float] = (1.0, 1.0, 1.0, 1.0),
+    example_mask=None,
+):
     """RetinaNet loss for a batch: focal classification + box regression.
 
     Both terms are sums over the batch divided by the number of positive
@@ -127,16 +127,20 @@ def retinanet_loss(cls_logits,
     gt_boxes_yxyx = jnp.asarray(gt_boxes_yxyx, jnp.float32)
     batch = cls_logits.shape[0]
     if cls_logits.shape[-1] != num_classes:
-        raise ValueError(f"cls_logits has {cls_logits.shape[-1]} classes, "
-                         f"expected num_classes={num_classes}")
+        raise ValueError(f"cls_logits has {cls_logits.shape[-1]} classes, expected num_classes={num_classes}")
 
     assign = jax.vmap(
         lambda boxes, labels, mask: anchors_lib.assign_targets(
-            anchors_yxyx, boxes, labels, mask,
+            anchors_yxyx,
+            boxes,
+            labels,
+            mask,
             positive_iou=positive_iou,
             negative_iou=negative_iou,
             allow_low_quality_matches=allow_low_quality_matches,
-            box_coder_weights=box_coder_weights))
+            box_coder_weights=box_coder_weights,
+        )
+    )
     targets = assign(gt_boxes_yxyx, gt_labels, gt_mask)
     # Gradients never flow into the matching.
     targets = jax.lax.stop_gradient(targets)
@@ -150,20 +154,16 @@ def retinanet_loss(cls_logits,
     normalizer = jnp.maximum(num_positives, 1.0)
 
     # one_hot(-1) is all zeros: background anchors get an all-negative target.
-    cls_targets = jax.nn.one_hot(targets["labels"], num_classes,
-                                 dtype=jnp.float32)
+    cls_targets = jax.nn.one_hot(targets["labels"], num_classes, dtype=jnp.float32)
     cls_weight = (~targets["ignore"]).astype(jnp.float32) * example_weight[:, None]
     focal = sigmoid_focal_loss(cls_logits, cls_targets, focal_alpha, focal_gamma)
     cls_loss = jnp.sum(focal * cls_weight[..., None]) / normalizer
 
     if box_loss == "huber":
-        per_anchor = jnp.sum(
-            huber_loss(box_deltas, targets["box_targets"], huber_delta), axis=-1)
+        per_anchor = jnp.sum(huber_loss(box_deltas, targets["box_targets"], huber_delta), axis=-1)
     else:
-        pred_boxes = box_ops.decode_boxes(box_deltas, anchors_yxyx[None],
-                                          box_coder_weights)
-        per_anchor = 1.0 - box_ops.generalized_iou(pred_boxes,
-                                                   targets["matched_gt_boxes"])
+        pred_boxes = box_ops.decode_boxes(box_deltas, anchors_yxyx[None], box_coder_weights)
+        per_anchor = 1.0 - box_ops.generalized_iou(pred_boxes, targets["matched_gt_boxes"])
     # where, not a product: a non-finite value at a non-positive anchor must not
     # leak into the sum (0 * inf = nan).
     box_sum = jnp.sum(jnp.where(positive > 0, per_anchor * positive, 0.0))

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Sequence
+from collections.abc import Sequence
 
 import jax
 import jax.numpy as jnp
@@ -10,8 +10,7 @@ import jax.numpy as jnp
 from detector.ops import box_ops
 
 
-def non_max_suppression(boxes_yxyx, scores, iou_threshold: float,
-                        max_output_size: int, classes=None):
+def non_max_suppression(boxes_yxyx, scores, iou_threshold: float, max_output_size: int, classes=None):
     """Greedy non-maximum suppression for one set of boxes, static shapes.
 
     Same selection rule as ``tf.image.non_max_suppression``: visit boxes in
@@ -59,9 +58,19 @@ def non_max_suppression(boxes_yxyx, scores, iou_threshold: float,
     return indices, valid
 
 
-def _detect_one(cls_logits, box_deltas, anchors_yxyx, image_height,
-                image_width, *, pre_nms_top_k, score_threshold, iou_threshold,
-                max_detections, box_coder_weights):
+def _detect_one(
+    cls_logits,
+    box_deltas,
+    anchors_yxyx,
+    image_height,
+    image_width,
+    *,
+    pre_nms_top_k,
+    score_threshold,
+    iou_threshold,
+    max_detections,
+    box_coder_weights,
+):
     num_anchors, num_classes = cls_logits.shape
     scores = jax.nn.sigmoid(cls_logits.astype(jnp.float32)).reshape(-1)
     top_k = min(pre_nms_top_k, num_anchors * num_classes)
@@ -71,13 +80,12 @@ def _detect_one(cls_logits, box_deltas, anchors_yxyx, image_height,
     top_scores = jnp.where(top_scores > score_threshold, top_scores, -jnp.inf)
 
     boxes = box_ops.decode_boxes(
-        box_deltas[anchor_idx].astype(jnp.float32), anchors_yxyx[anchor_idx],
-        box_coder_weights)
+        box_deltas[anchor_idx].astype(jnp.float32), anchors_yxyx[anchor_idx], box_coder_weights
+    )
     boxes = box_ops.clip_boxes(boxes, image_height, image_width)
     # Masking the IoU matrix by class equality rather than offsetting boxes
     # per class keeps IoUs exact (large offsets cost float32 precision).
-    keep, valid = non_max_suppression(boxes, top_scores, iou_threshold,
-                                      max_detections, classes=classes)
+    keep, valid = non_max_suppression(boxes, top_scores, iou_threshold, max_detections, classes=classes)
     return {
         "boxes": jnp.where(valid[:, None], boxes[keep], 0.0),
         "scores": jnp.where(valid, top_scores[keep], 0.0),
@@ -86,17 +94,19 @@ def _detect_one(cls_logits, box_deltas, anchors_yxyx, image_height,
     }
 
 
-def detect(cls_logits,
-           box_deltas,
-           anchors_yxyx,
-           image_height,
-           image_width,
-           *,
-           pre_nms_top_k: int = 1000,
-           score_threshold: float = 0.05,
-           iou_threshold: float = 0.5,
-           max_detections: int = 100,
-           box_coder_weights: Sequence[float] = (1.0, 1.0, 1.0, 1.0)):
+def detect(
+    cls_logits,
+    box_deltas,
+    anchors_yxyx,
+    image_height,
+    image_width,
+    *,
+    pre_nms_top_k: int = 1000,
+    score_threshold: float = 0.05,
+    iou_threshold: float = 0.5,
+    max_detections: int = 100,
+    box_coder_weights: Sequence[float] = (1.0, 1.0, 1.0, 1.0),
+):
     """Turns dense head outputs into at most ``max_detections`` boxes per image.
 
     Per image: sigmoid scores over all (anchor, class) pairs, the top
@@ -130,11 +140,17 @@ def detect(cls_logits,
     width = jnp.broadcast_to(jnp.asarray(image_width, jnp.float32), (batch,))
 
     def one(logits, deltas, h, w):
-        return _detect_one(logits, deltas, anchors_yxyx, h, w,
-                           pre_nms_top_k=pre_nms_top_k,
-                           score_threshold=score_threshold,
-                           iou_threshold=iou_threshold,
-                           max_detections=max_detections,
-                           box_coder_weights=box_coder_weights)
+        return _detect_one(
+            logits,
+            deltas,
+            anchors_yxyx,
+            h,
+            w,
+            pre_nms_top_k=pre_nms_top_k,
+            score_threshold=score_threshold,
+            iou_threshold=iou_threshold,
+            max_detections=max_detections,
+            box_coder_weights=box_coder_weights,
+        )
 
     return jax.vmap(one)(cls_logits, box_deltas, height, width)

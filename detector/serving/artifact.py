@@ -30,9 +30,9 @@ import numpy as np
 from etils import epath
 from jax.experimental import multihost_utils
 
-from detector.training import steps
 from detector.errors import ConfigError
 from detector.serving.predictor import Predictor, network_input
+from detector.training import steps
 from input_pipeline import transforms
 
 EXPORTED_FILE = "model.jax_exported"
@@ -63,16 +63,25 @@ def detection_function(predictor: Predictor) -> Callable[[jax.Array], dict[str, 
     config = predictor.config
     params = _host_params(predictor.params)
     predict = functools.partial(
-        steps.predict_step, model=predictor.model, anchors=steps.anchors_for_config(config),
-        postprocess_config=config.postprocess, image_size=tuple(config.input.image_size),
-        box_coder_weights=tuple(config.loss.box_coder_weights))
+        steps.predict_step,
+        model=predictor.model,
+        anchors=steps.anchors_for_config(config),
+        postprocess_config=config.postprocess,
+        image_size=tuple(config.input.image_size),
+        box_coder_weights=tuple(config.loss.box_coder_weights),
+    )
 
     def detect(images: jax.Array) -> dict[str, jax.Array]:
         rows = images.shape[0]
         # predict_step passes these fields through for mapping boxes back; the
         # artifact's user maps them instead, so placeholders do (and are pruned).
-        batch = {"image": images, "image_id": jnp.zeros((rows,), jnp.int32), "scale": jnp.ones((rows,), jnp.float32),
-                 "original_size": jnp.zeros((rows, 2), jnp.int32), "example_mask": jnp.ones((rows,), jnp.bool_)}
+        batch = {
+            "image": images,
+            "image_id": jnp.zeros((rows,), jnp.int32),
+            "scale": jnp.ones((rows,), jnp.float32),
+            "original_size": jnp.zeros((rows, 2), jnp.int32),
+            "example_mask": jnp.ones((rows,), jnp.bool_),
+        }
         outputs = predict(params, batch)
         return {name: outputs[name] for name in OUTPUT_NAMES}
 
@@ -85,8 +94,9 @@ def _check_batch_size(batch_size: int) -> int:
     return int(batch_size)
 
 
-def export_predictor(predictor: Predictor, batch_size: int,
-                     platforms: Sequence[str] = PLATFORMS) -> jax.export.Exported:
+def export_predictor(
+    predictor: Predictor, batch_size: int, platforms: Sequence[str] = PLATFORMS
+) -> jax.export.Exported:
     """Exports the predictor's detection for fixed batches of `batch_size` images.
 
     The exported program takes images float32 `[batch_size, H, W, 3]` (H, W =
@@ -125,14 +135,17 @@ def artifact_metadata(exported: jax.export.Exported, predictor: Predictor) -> di
         "dataset": config.dataset.name,
         "batch_size": int(batch_size),
         "input": {
-            "name": "images", "shape": list(images.shape), "dtype": str(images.dtype),
+            "name": "images",
+            "shape": list(images.shape),
+            "dtype": str(images.dtype),
             "image_size": [int(height), int(width)],
             "mean_rgb": [float(v) for v in config.input.mean_rgb],
             "std_rgb": [float(v) for v in config.input.std_rgb],
             "preprocessing": (
                 "RGB image h x w (0-255); scale = min(H / h, W / w); resize to (round(h * scale), "
                 "round(w * scale)) (bilinear, antialiased, TF2 half-pixel centres); (pixel - mean_rgb) / "
-                "std_rgb; pad bottom/right with 0 to H x W"),
+                "std_rgb; pad bottom/right with 0 to H x W"
+            ),
         },
         "outputs": {name: {"shape": list(aval.shape), "dtype": str(aval.dtype)} for name, aval in outputs.items()},
         "output_meaning": {
@@ -143,13 +156,14 @@ def artifact_metadata(exported: jax.export.Exported, predictor: Predictor) -> di
         },
         "class_names": [str(name) for name in info.class_names],
         "label_to_category_id": [int(c) for c in info.label_to_category_id],
-        "postprocess": {key: float(postprocess[key]) if key.endswith("threshold") else int(postprocess[key])
-                        for key in ("pre_nms_top_k", "score_threshold", "iou_threshold", "max_detections")},
+        "postprocess": {
+            key: float(postprocess[key]) if key.endswith("threshold") else int(postprocess[key])
+            for key in ("pre_nms_top_k", "score_threshold", "iou_threshold", "max_detections")
+        },
     }
 
 
-def write_artifact(exported: jax.export.Exported, predictor: Predictor, directory: str | epath.PathLike
-                   ) -> epath.Path:
+def write_artifact(exported: jax.export.Exported, predictor: Predictor, directory: str | epath.PathLike) -> epath.Path:
     """Writes DIRECTORY/model.jax_exported and DIRECTORY/model.json; returns the directory."""
     directory = epath.Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
@@ -185,8 +199,12 @@ class ExportedDetector:
     def transform_options(self) -> transforms.TransformOptions:
         """The eval transform's settings the artifact was exported with."""
         spec = self.metadata["input"]
-        return transforms.TransformOptions(image_size=tuple(spec["image_size"]), max_boxes=1,
-                                           mean_rgb=tuple(spec["mean_rgb"]), std_rgb=tuple(spec["std_rgb"]))
+        return transforms.TransformOptions(
+            image_size=tuple(spec["image_size"]),
+            max_boxes=1,
+            mean_rgb=tuple(spec["mean_rgb"]),
+            std_rgb=tuple(spec["std_rgb"]),
+        )
 
     def predict(self, images: Sequence[np.ndarray]) -> list[dict[str, np.ndarray]]:
         """Detections per image, in its original pixels.
@@ -207,7 +225,7 @@ class ExportedDetector:
         blank = np.zeros_like(rows[0]["image"]) if rows else None
         results: list[dict[str, np.ndarray]] = []
         for first in range(0, len(rows), self.batch_size):
-            chunk = rows[first:first + self.batch_size]
+            chunk = rows[first : first + self.batch_size]
             # The program's batch size is fixed: the last batch is filled with blank images.
             images_batch = np.stack([row["image"] for row in chunk] + [blank] * (self.batch_size - len(chunk)))
             outputs = jax.device_get(self.exported.call(images_batch))
@@ -215,11 +233,13 @@ class ExportedDetector:
                 keep = outputs["valid"][i]
                 height, width = (float(v) for v in row["original_size"])
                 boxes = np.asarray(outputs["boxes"][i][keep], np.float32) / np.float32(row["scale"])
-                results.append({
-                    "boxes_yxyx": np.clip(boxes, 0.0, np.array([height, width, height, width], np.float32)),
-                    "scores": np.asarray(outputs["scores"][i][keep], np.float32),
-                    "labels": np.asarray(outputs["classes"][i][keep], np.int32),
-                })
+                results.append(
+                    {
+                        "boxes_yxyx": np.clip(boxes, 0.0, np.array([height, width, height, width], np.float32)),
+                        "scores": np.asarray(outputs["scores"][i][keep], np.float32),
+                        "labels": np.asarray(outputs["classes"][i][keep], np.int32),
+                    }
+                )
         return results
 
 
@@ -228,8 +248,9 @@ def load_artifact(directory: str | epath.PathLike) -> ExportedDetector:
     directory = epath.Path(directory)
     for name in (EXPORTED_FILE, METADATA_FILE):
         if not (directory / name).exists():
-            raise FileNotFoundError(f"{directory / name} does not exist: export a model there first "
-                                    "(python -m detector.export)")
+            raise FileNotFoundError(
+                f"{directory / name} does not exist: export a model there first (python -m detector.export)"
+            )
     metadata = json.loads((directory / METADATA_FILE).read_text())
     exported = jax.export.deserialize(bytearray((directory / EXPORTED_FILE).read_bytes()))
     return ExportedDetector(exported=exported, metadata=metadata)

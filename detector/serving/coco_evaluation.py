@@ -26,8 +26,7 @@ from pycocotools.cocoeval import COCOeval
 COCO_METRIC_NAMES = ("AP", "AP50", "AP75", "APs", "APm", "APl", "AR1", "AR10", "AR100", "ARs", "ARm", "ARl")
 
 
-def detections_to_coco(outputs: Mapping[str, np.ndarray],
-                       label_to_category_id: Sequence[int]) -> list[dict[str, Any]]:
+def detections_to_coco(outputs: Mapping[str, np.ndarray], label_to_category_id: Sequence[int]) -> list[dict[str, Any]]:
     """COCO results (`[{image_id, category_id, bbox [x,y,w,h], score}]`) in original pixels.
 
     Args:
@@ -44,16 +43,19 @@ def detections_to_coco(outputs: Mapping[str, np.ndarray],
         height, width = outputs["original_size"][i]
         # Host-side numpy: a few hundred boxes per image are not worth a device dispatch.
         boxes_yxyx = np.asarray(outputs["boxes"][i][keep], np.float64) / float(outputs["scale"][i])
-        y0, x0, y1, x1 = (np.clip(boxes_yxyx[:, k], 0.0, limit)
-                          for k, limit in enumerate((height, width, height, width)))
+        y0, x0, y1, x1 = (
+            np.clip(boxes_yxyx[:, k], 0.0, limit) for k, limit in enumerate((height, width, height, width))
+        )
         boxes_xywh = np.stack([x0, y0, x1 - x0, y1 - y0], axis=1)
         for box, score, label in zip(boxes_xywh, outputs["scores"][i][keep], outputs["classes"][i][keep]):
-            results.append({
-                "image_id": int(outputs["image_id"][i]),
-                "category_id": int(label_to_category_id[int(label)]),
-                "bbox": [round(float(v), 3) for v in box],
-                "score": round(float(score), 5),
-            })
+            results.append(
+                {
+                    "image_id": int(outputs["image_id"][i]),
+                    "category_id": int(label_to_category_id[int(label)]),
+                    "bbox": [round(float(v), 3) for v in box],
+                    "score": round(float(score), 5),
+                }
+            )
     return results
 
 
@@ -72,24 +74,32 @@ class CocoEvaluation:
     per_class: dict[int, dict[str, float]]
 
 
-def coco_evaluation(ground_truth: dict[str, Any], results: list[dict[str, Any]],
-                    image_ids: Sequence[int] | None = None) -> CocoEvaluation:
+def coco_evaluation(
+    ground_truth: dict[str, Any], results: list[dict[str, Any]], image_ids: Sequence[int] | None = None
+) -> CocoEvaluation:
     """Scores COCO `results` (`detections_to_coco`) against a COCO-format `ground_truth` dict.
 
     `image_ids`: the images that were evaluated (default: all of the ground
     truth's); images the pipeline could not read are left out this way
     instead of counting their objects as missed.
     """
-    evaluated = sorted({int(i) for i in (image_ids if image_ids is not None else
-                                         (image["id"] for image in ground_truth.get("images", [])))})
+    evaluated = sorted(
+        {
+            int(i)
+            for i in (image_ids if image_ids is not None else (image["id"] for image in ground_truth.get("images", [])))
+        }
+    )
     instances = collections.Counter(
-        int(a["category_id"]) for a in ground_truth.get("annotations", [])
-        if int(a["image_id"]) in set(evaluated) and not a.get("iscrowd", 0))
+        int(a["category_id"])
+        for a in ground_truth.get("annotations", [])
+        if int(a["image_id"]) in set(evaluated) and not a.get("iscrowd", 0)
+    )
     category_ids = [int(c["id"]) for c in ground_truth.get("categories", [])]
     if not results:
-        return CocoEvaluation({name: 0.0 for name in COCO_METRIC_NAMES},
-                              {c: {"AP": 0.0, "AP50": 0.0, "AP75": 0.0, "instances": instances[c]}
-                               for c in category_ids})
+        return CocoEvaluation(
+            {name: 0.0 for name in COCO_METRIC_NAMES},
+            {c: {"AP": 0.0, "AP50": 0.0, "AP75": 0.0, "instances": instances[c]} for c in category_ids},
+        )
     with contextlib.redirect_stdout(io.StringIO()):  # pycocotools prints progress
         gt = COCO()
         gt.dataset = ground_truth
@@ -119,15 +129,20 @@ def coco_evaluation(ground_truth: dict[str, Any], results: list[dict[str, Any]],
     return CocoEvaluation({name: float(v) for name, v in zip(COCO_METRIC_NAMES, evaluator.stats)}, per_class)
 
 
-def coco_metrics(ground_truth: dict[str, Any], results: list[dict[str, Any]],
-                 image_ids: Sequence[int] | None = None) -> dict[str, float]:
+def coco_metrics(
+    ground_truth: dict[str, Any], results: list[dict[str, Any]], image_ids: Sequence[int] | None = None
+) -> dict[str, float]:
     """pycocotools bbox metrics (0-1; -1 where a size range has no ground truth); see `coco_evaluation`."""
     return coco_evaluation(ground_truth, results, image_ids).metrics
 
 
-def predict_all(predict: Callable[[Any, dict[str, jax.Array]], dict[str, jax.Array]], params: Any,
-                global_batches: Iterable[dict[str, jax.Array]], *,
-                label_to_category_id: Sequence[int]) -> tuple[list[dict[str, Any]], list[int]] | None:
+def predict_all(
+    predict: Callable[[Any, dict[str, jax.Array]], dict[str, jax.Array]],
+    params: Any,
+    global_batches: Iterable[dict[str, jax.Array]],
+    *,
+    label_to_category_id: Sequence[int],
+) -> tuple[list[dict[str, Any]], list[int]] | None:
     """Runs `predict` over every batch; on process 0 returns (COCO results, evaluated image ids), elsewhere None.
 
     Args:
@@ -146,9 +161,14 @@ def predict_all(predict: Callable[[Any, dict[str, jax.Array]], dict[str, jax.Arr
     return (results, image_ids) if jax.process_index() == 0 else None
 
 
-def evaluate(predict: Callable[[Any, dict[str, jax.Array]], dict[str, jax.Array]], params: Any,
-             global_batches: Iterable[dict[str, jax.Array]], *, ground_truth: dict[str, Any] | None,
-             label_to_category_id: Sequence[int]) -> dict[str, float] | None:
+def evaluate(
+    predict: Callable[[Any, dict[str, jax.Array]], dict[str, jax.Array]],
+    params: Any,
+    global_batches: Iterable[dict[str, jax.Array]],
+    *,
+    ground_truth: dict[str, Any] | None,
+    label_to_category_id: Sequence[int],
+) -> dict[str, float] | None:
     """Runs `predict` over every eval batch and scores on process 0.
 
     Args:
@@ -178,7 +198,6 @@ def format_table(header: Sequence[str], rows: Sequence[Sequence[Any]]) -> str:
 
     cells = [list(map(str, header))] + [[cell(v) for v in row] for row in rows]
     widths = [max(len(r[i]) for r in cells) for i in range(len(header))]
-    lines = ["  ".join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(r, widths)))
-             for r in cells]
+    lines = ["  ".join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(r, widths))) for r in cells]
     lines.insert(1, "  ".join("-" * w for w in widths))
     return "\n".join(lines)

@@ -138,15 +138,17 @@ def _outline_rectangle(box_yxyx: np.ndarray, height: int, width: int) -> tuple[i
     return left, top, right, bottom
 
 
-def draw_detections(image,
-                    boxes_yxyx,
-                    labels,
-                    scores=None,
-                    class_names: Sequence[str] | Mapping[int, str] | None = None,
-                    *,
-                    color_by: str = "label",
-                    line_width: int = 2,
-                    font=None) -> np.ndarray:
+def draw_detections(
+    image,
+    boxes_yxyx,
+    labels,
+    scores=None,
+    class_names: Sequence[str] | Mapping[int, str] | None = None,
+    *,
+    color_by: str = "label",
+    line_width: int = 2,
+    font=None,
+) -> np.ndarray:
     """Draws boxes with "name 0.87" tags on a copy of ``image``.
 
     Args:
@@ -223,8 +225,12 @@ def draw_detections(image,
         tag_top = max(0, min(tag_top, height - tag_height))
         tag_left = max(0, min(left, width - tag_width))
         draw.rectangle((tag_left, tag_top, tag_left + tag_width - 1, tag_top + tag_height - 1), fill=color)
-        draw.text((tag_left + _TAG_PADDING - text_left, tag_top + _TAG_PADDING - text_top), text,
-                  fill=_text_color(color), font=font)
+        draw.text(
+            (tag_left + _TAG_PADDING - text_left, tag_top + _TAG_PADDING - text_top),
+            text,
+            fill=_text_color(color),
+            font=font,
+        )
     return np.asarray(pil_image, np.uint8).copy()
 
 
@@ -240,8 +246,8 @@ def side_by_side(left, right, *, gap: int = 4) -> np.ndarray:
     left, right = to_uint8_rgb(left), to_uint8_rgb(right)
     height = max(left.shape[0], right.shape[0])
     panel = np.full((height, left.shape[1] + gap + right.shape[1], 3), 255, np.uint8)
-    panel[:left.shape[0], :left.shape[1]] = left
-    panel[:right.shape[0], left.shape[1] + gap:] = right
+    panel[: left.shape[0], : left.shape[1]] = left
+    panel[: right.shape[0], left.shape[1] + gap :] = right
     return panel
 
 
@@ -259,9 +265,16 @@ def save_png(image, path) -> epath.Path:
     return path
 
 
-def prediction_panels(batch: dict[str, np.ndarray], outputs: dict[str, np.ndarray], *, mean_rgb, std_rgb,
-                      class_names=None, score_threshold: float = 0.3) -> np.ndarray:
-    """"predictions | ground truth" pictures of a batch as the network saw it.
+def prediction_panels(
+    batch: dict[str, np.ndarray],
+    outputs: dict[str, np.ndarray],
+    *,
+    mean_rgb,
+    std_rgb,
+    class_names=None,
+    score_threshold: float = 0.3,
+) -> np.ndarray:
+    """ "predictions | ground truth" pictures of a batch as the network saw it.
 
     Args:
       batch: host numpy of an eval batch: image `[B, H, W, 3]` normalized,
@@ -281,8 +294,9 @@ def prediction_panels(batch: dict[str, np.ndarray], outputs: dict[str, np.ndarra
         pixels = batch["image"][i, :height, :width] * np.asarray(std_rgb) + np.asarray(mean_rgb)
         image = np.clip(np.round(pixels), 0, 255).astype(np.uint8)
         keep = outputs["valid"][i] & (outputs["scores"][i] >= score_threshold)
-        predicted = draw_detections(image, outputs["boxes"][i][keep], outputs["classes"][i][keep],
-                                    outputs["scores"][i][keep], class_names)
+        predicted = draw_detections(
+            image, outputs["boxes"][i][keep], outputs["classes"][i][keep], outputs["scores"][i][keep], class_names
+        )
         real = batch["boxes_mask"][i]
         truth = draw_detections(image, batch["boxes"][i][real], batch["labels"][i][real], None, class_names)
         panels.append(side_by_side(predicted, truth))
@@ -292,5 +306,5 @@ def prediction_panels(batch: dict[str, np.ndarray], outputs: dict[str, np.ndarra
     width = max(p.shape[1] for p in panels)
     padded = np.full((len(panels), height, width, 3), 255, np.uint8)
     for padded_panel, panel in zip(padded, panels):
-        padded_panel[:panel.shape[0], :panel.shape[1]] = panel
+        padded_panel[: panel.shape[0], : panel.shape[1]] = panel
     return padded

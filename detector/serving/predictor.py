@@ -26,14 +26,12 @@ from PIL import Image, ImageOps, UnidentifiedImageError
 
 import input_pipeline
 import sharding
+from detector.models.retinanet import create_model
+from detector.serving import coco_evaluation, drawing
+from detector.training import checkpointing, steps
+from detector.training.train_state import params_shardings
 from input_pipeline import transforms
 from input_pipeline.progress import track
-from detector.training import checkpointing
-from detector.serving import coco_evaluation
-from detector.training import steps
-from detector.serving import drawing
-from detector.models.retinanet import create_model
-from detector.training.train_state import params_shardings
 
 
 @dataclasses.dataclass(frozen=True)
@@ -74,8 +72,9 @@ class Predictor:
         return input_pipeline.process_rows(self.batch_sharding, self.batch_size)
 
 
-def load_predictor(config: ml_collections.ConfigDict, workdir: str, checkpoint: str = "last", *,
-                   batch_size: int | None = None) -> Predictor:
+def load_predictor(
+    config: ml_collections.ConfigDict, workdir: str, checkpoint: str = "last", *, batch_size: int | None = None
+) -> Predictor:
     """Builds the config's model on its mesh and loads `checkpoint` ("last", "best" or a step) from `workdir`.
 
     `batch_size` (default `config.eval_batch_size`) must be a multiple of the
@@ -91,13 +90,28 @@ def load_predictor(config: ml_collections.ConfigDict, workdir: str, checkpoint: 
         abstract_params, shardings = params_shardings(model, tuple(config.input.image_size), mesh, rules)
         params, step = checkpointing.restore_params(workdir, checkpoint, abstract_params)
         start = time.perf_counter()
-        predict = steps.compile_predict_step(config, model, abstract_params=abstract_params,
-                                             param_shardings=shardings, mesh=mesh, batch_size=batch_size)
-    logging.info("loaded the parameters of step %d (%s) from %s; compiled predict for batches of %d in %.1fs",
-                 step, checkpoint, workdir, batch_size, time.perf_counter() - start)
-    return Predictor(config=input_pipeline.with_batch_size(config, batch_size), model=model, mesh=mesh,
-                     batch_sharding=sharding.batch_sharding(mesh, sharding.batch_axes(mesh)), params=params,
-                     step=step, predict=predict, batch_size=batch_size, dataset_info=dataset_info)
+        predict = steps.compile_predict_step(
+            config, model, abstract_params=abstract_params, param_shardings=shardings, mesh=mesh, batch_size=batch_size
+        )
+    logging.info(
+        "loaded the parameters of step %d (%s) from %s; compiled predict for batches of %d in %.1fs",
+        step,
+        checkpoint,
+        workdir,
+        batch_size,
+        time.perf_counter() - start,
+    )
+    return Predictor(
+        config=input_pipeline.with_batch_size(config, batch_size),
+        model=model,
+        mesh=mesh,
+        batch_sharding=sharding.batch_sharding(mesh, sharding.batch_axes(mesh)),
+        params=params,
+        step=step,
+        predict=predict,
+        batch_size=batch_size,
+        dataset_info=dataset_info,
+    )
 
 
 # ----------------------------------------------------------------------------
@@ -108,17 +122,22 @@ METRICS_FILE = "metrics.json"
 DETECTIONS_FILE = "detections.json"
 
 
-def evaluate_workdir(config: ml_collections.ConfigDict, workdir: str, checkpoint: str = "last",
-                     output: str | None = None) -> dict[str, Any] | None:
+def evaluate_workdir(
+    config: ml_collections.ConfigDict, workdir: str, checkpoint: str = "last", output: str | None = None
+) -> dict[str, Any] | None:
     """Evaluates `checkpoint` of `workdir`; returns the metrics.json content on process 0 (None elsewhere)."""
     predictor = load_predictor(config, workdir, checkpoint)
     start = time.perf_counter()
     eval_iter = input_pipeline.create_eval_iterator(predictor.config, first_row=predictor.first_row())
     batches = (predictor.global_batch(batch) for batch in eval_iter.batches)
-    predicted = coco_evaluation.predict_all(predictor.predict, predictor.params,
-                                       track(batches, "eval", eval_iter.num_batches, unit="batches",
-                                             log_every_s=10.0, enabled=jax.process_index() == 0),
-                                       label_to_category_id=predictor.dataset_info.label_to_category_id)
+    predicted = coco_evaluation.predict_all(
+        predictor.predict,
+        predictor.params,
+        track(
+            batches, "eval", eval_iter.num_batches, unit="batches", log_every_s=10.0, enabled=jax.process_index() == 0
+        ),
+        label_to_category_id=predictor.dataset_info.label_to_category_id,
+    )
     if predicted is None:
         return None
     results, image_ids = predicted
@@ -126,32 +145,47 @@ def evaluate_workdir(config: ml_collections.ConfigDict, workdir: str, checkpoint
     scored = coco_evaluation.coco_evaluation(ground_truth, results, image_ids)
     names = {int(c["id"]): str(c.get("name", c["id"])) for c in ground_truth.get("categories", [])}
     report = {
-        "workdir": str(workdir), "checkpoint": str(checkpoint), "step": predictor.step,
-        "dataset": config.dataset.name, "images": len(set(image_ids)), "detections": len(results),
+        "workdir": str(workdir),
+        "checkpoint": str(checkpoint),
+        "step": predictor.step,
+        "dataset": config.dataset.name,
+        "images": len(set(image_ids)),
+        "detections": len(results),
         "metrics": scored.metrics,
-        "per_class": [{"category_id": c, "name": names.get(c, str(c)), **values}
-                      for c, values in sorted(scored.per_class.items())],
+        "per_class": [
+            {"category_id": c, "name": names.get(c, str(c)), **values} for c, values in sorted(scored.per_class.items())
+        ],
     }
     directory = epath.Path(output) if output else epath.Path(workdir) / "evaluation" / str(predictor.step)
     directory.mkdir(parents=True, exist_ok=True)
     (directory / METRICS_FILE).write_text(json.dumps(report, indent=2))
     (directory / DETECTIONS_FILE).write_text(json.dumps(results))
     print(format_report(report), flush=True)
-    logging.info("evaluated %d images in %.1fs; wrote %s and %s", report["images"], time.perf_counter() - start,
-                 directory / METRICS_FILE, directory / DETECTIONS_FILE)
+    logging.info(
+        "evaluated %d images in %.1fs; wrote %s and %s",
+        report["images"],
+        time.perf_counter() - start,
+        directory / METRICS_FILE,
+        directory / DETECTIONS_FILE,
+    )
     return report
 
 
 def format_report(report: dict[str, Any]) -> str:
     """The COCO table and the per-class table of a metrics.json report, as text."""
     metrics = report["metrics"]
-    coco = coco_evaluation.format_table(["metric", "value"], [(name, metrics[name]) for name in coco_evaluation.COCO_METRIC_NAMES])
+    coco = coco_evaluation.format_table(
+        ["metric", "value"], [(name, metrics[name]) for name in coco_evaluation.COCO_METRIC_NAMES]
+    )
     per_class = coco_evaluation.format_table(
         ["class", "AP", "AP50", "AP75", "instances"],
-        [(c["name"], c["AP"], c["AP50"], c["AP75"], c["instances"]) for c in report["per_class"]])
-    return (f"COCO bbox metrics of step {report['step']} ({report['checkpoint']}) on {report['images']} "
-            f"{report['dataset']} images, {report['detections']} detections:\n{coco}\n\nper class "
-            f"(all sizes, 100 detections per image; '-': no ground truth):\n{per_class}")
+        [(c["name"], c["AP"], c["AP50"], c["AP75"], c["instances"]) for c in report["per_class"]],
+    )
+    return (
+        f"COCO bbox metrics of step {report['step']} ({report['checkpoint']}) on {report['images']} "
+        f"{report['dataset']} images, {report['detections']} detections:\n{coco}\n\nper class "
+        f"(all sizes, 100 detections per image; '-': no ground truth):\n{per_class}"
+    )
 
 
 # ----------------------------------------------------------------------------
@@ -201,8 +235,12 @@ def read_image(path: epath.Path) -> np.ndarray | None:
 
 def network_input(image: np.ndarray, image_id: int, opts: transforms.TransformOptions) -> dict[str, np.ndarray]:
     """The eval transform of one image (resize to fit, pad, normalize), as numpy."""
-    example = {"image": image, "boxes": np.zeros((0, 4), np.float32), "labels": np.zeros((0,), np.int32),
-               "image_id": np.int32(image_id)}
+    example = {
+        "image": image,
+        "boxes": np.zeros((0, 4), np.float32),
+        "labels": np.zeros((0,), np.int32),
+        "image_id": np.int32(image_id),
+    }
     transformed = transforms.eval_transform(example, opts)
     return {k: np.asarray(v) for k, v in transformed.items() if k != "boxes_truncated"}
 
@@ -219,8 +257,9 @@ def predict_images(predictor: Predictor, inputs: Sequence[str], output: str) -> 
     is_primary = jax.process_index() == 0
     output_dir = epath.Path(output)
     global_size = predictor.batch_size
-    local_rows = range(predictor.first_row(),
-                       predictor.first_row() + global_size // jax.device_count() * jax.local_device_count())
+    local_rows = range(
+        predictor.first_row(), predictor.first_row() + global_size // jax.device_count() * jax.local_device_count()
+    )
     blank = network_input(np.zeros((8, 8, 3), np.uint8), -1, opts)
     blank["example_mask"] = np.False_
     pictures = dict(zip(range(len(paths)), _picture_names(paths)))
@@ -229,12 +268,15 @@ def predict_images(predictor: Predictor, inputs: Sequence[str], output: str) -> 
     entries: list[dict[str, Any]] = []
     start = time.perf_counter()
     num_batches = -(-len(paths) // global_size)
-    for batch_index in track(range(num_batches), "predict", num_batches, unit="batches", log_every_s=10.0,
-                             enabled=is_primary):
+    for batch_index in track(
+        range(num_batches), "predict", num_batches, unit="batches", log_every_s=10.0, enabled=is_primary
+    ):
         first = batch_index * global_size
         images = {i: read_image(paths[i]) for i in (first + row for row in local_rows) if i < len(paths)}
-        rows = [network_input(images[i], i, opts) if images.get(i) is not None else blank
-                for i in (first + row for row in local_rows)]
+        rows = [
+            network_input(images[i], i, opts) if images.get(i) is not None else blank
+            for i in (first + row for row in local_rows)
+        ]
         local_batch = {k: np.stack([row[k] for row in rows]) for k in blank}
         outputs = predictor(predictor.global_batch(local_batch))
         # Every process takes part in the gather; process 0 writes.
@@ -243,32 +285,46 @@ def predict_images(predictor: Predictor, inputs: Sequence[str], output: str) -> 
             continue
         detections = coco_evaluation.detections_to_coco(outputs, info.label_to_category_id)
         results.extend(detections)
-        for image_id, (height, width) in zip(outputs["image_id"][outputs["example_mask"]],
-                                             outputs["original_size"][outputs["example_mask"]]):
+        for image_id, (height, width) in zip(
+            outputs["image_id"][outputs["example_mask"]], outputs["original_size"][outputs["example_mask"]]
+        ):
             image_id = int(image_id)
-            entries.append({"id": image_id, "file_name": str(paths[image_id]), "height": int(height),
-                            "width": int(width)})
+            entries.append(
+                {"id": image_id, "file_name": str(paths[image_id]), "height": int(height), "width": int(width)}
+            )
             mine = [d for d in detections if d["image_id"] == image_id]
-            boxes_yxyx = np.array([[y, x, y + h, x + w] for x, y, w, h in (d["bbox"] for d in mine)],
-                                  np.float32).reshape(-1, 4)
+            boxes_yxyx = np.array(
+                [[y, x, y + h, x + w] for x, y, w, h in (d["bbox"] for d in mine)], np.float32
+            ).reshape(-1, 4)
             image = images[image_id] if image_id in images else read_image(paths[image_id])
             picture = drawing.draw_detections(
-                image, boxes_yxyx, np.array([label_of_category[d["category_id"]] for d in mine], np.int32),
-                np.array([d["score"] for d in mine], np.float32), info.class_names)
+                image,
+                boxes_yxyx,
+                np.array([label_of_category[d["category_id"]] for d in mine], np.int32),
+                np.array([d["score"] for d in mine], np.float32),
+                info.class_names,
+            )
             drawing.save_png(picture, output_dir / pictures[image_id])
     if not is_primary:
         return None
     output_dir.mkdir(parents=True, exist_ok=True)
     (output_dir / DETECTIONS_FILE).write_text(json.dumps(results))
     (output_dir / IMAGES_FILE).write_text(json.dumps(entries, indent=1))
-    logging.info("predicted %d images (%d unreadable, skipped) in %.1fs: %d detections with score >= %.2f; "
-                 "wrote %s", len(entries), len(paths) - len(entries), time.perf_counter() - start, len(results),
-                 predictor.config.postprocess.score_threshold, output_dir)
+    logging.info(
+        "predicted %d images (%d unreadable, skipped) in %.1fs: %d detections with score >= %.2f; wrote %s",
+        len(entries),
+        len(paths) - len(entries),
+        time.perf_counter() - start,
+        len(results),
+        predictor.config.postprocess.score_threshold,
+        output_dir,
+    )
     return results
 
 
 def _picture_names(paths: Sequence[epath.Path]) -> list[str]:
     """`NAME.png` per input; `NAME_ID.png` (ID: the image id) where inputs share a name (a.jpg, a.png, x/a.jpg)."""
     stems = [path.stem for path in paths]
-    return [f"{stem}.png" if stems.count(stem) == 1 else f"{stem}_{image_id}.png"
-            for image_id, stem in enumerate(stems)]
+    return [
+        f"{stem}.png" if stems.count(stem) == 1 else f"{stem}_{image_id}.png" for image_id, stem in enumerate(stems)
+    ]

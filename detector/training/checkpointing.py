@@ -52,8 +52,7 @@ def create_manager(workdir: str, *, max_to_keep: int, read_only: bool = False) -
         create=not read_only,
         read_only=read_only,
     )
-    return ocp.CheckpointManager(checkpoint_dir(workdir), options=options,
-                                 item_names=(STATE_ITEM, METADATA_ITEM))
+    return ocp.CheckpointManager(checkpoint_dir(workdir), options=options, item_names=(STATE_ITEM, METADATA_ITEM))
 
 
 def save(manager: ocp.CheckpointManager, step: int, state: TrainState, metadata: dict[str, Any]) -> bool:
@@ -63,8 +62,9 @@ def save(manager: ocp.CheckpointManager, step: int, state: TrainState, metadata:
     """
     saved = manager.save(
         step,
-        args=ocp.args.Composite(**{STATE_ITEM: ocp.args.StandardSave(state),
-                                   METADATA_ITEM: ocp.args.JsonSave(metadata)}),
+        args=ocp.args.Composite(
+            **{STATE_ITEM: ocp.args.StandardSave(state), METADATA_ITEM: ocp.args.JsonSave(metadata)}
+        ),
         # The trainer decides when to save (its interval and the last step).
         force=True,
     )
@@ -73,16 +73,18 @@ def save(manager: ocp.CheckpointManager, step: int, state: TrainState, metadata:
     return saved
 
 
-def restore_latest(manager: ocp.CheckpointManager,
-                   abstract_state: TrainState) -> tuple[TrainState, dict[str, Any]] | None:
+def restore_latest(
+    manager: ocp.CheckpointManager, abstract_state: TrainState
+) -> tuple[TrainState, dict[str, Any]] | None:
     """Restores the newest complete checkpoint onto `abstract_state`'s shardings, or None."""
     step = manager.latest_step()
     if step is None:
         return None
     restored = manager.restore(
         step,
-        args=ocp.args.Composite(**{STATE_ITEM: ocp.args.StandardRestore(abstract_state),
-                                   METADATA_ITEM: ocp.args.JsonRestore()}),
+        args=ocp.args.Composite(
+            **{STATE_ITEM: ocp.args.StandardRestore(abstract_state), METADATA_ITEM: ocp.args.JsonRestore()}
+        ),
     )
     logging.info("checkpoint: restored step %d from %s", step, manager.directory)
     return restored[STATE_ITEM], dict(restored[METADATA_ITEM] or {})
@@ -99,8 +101,9 @@ def restore_params(workdir: str, which: str, abstract_params: Any) -> tuple[Any,
     which = str(which).strip().lower()
     directory = best_dir(workdir) if which == "best" else checkpoint_dir(workdir)
     if not directory.exists():
-        raise FileNotFoundError(f"{directory} does not exist: train first (python -m detector.train) or check "
-                                "--workdir")
+        raise FileNotFoundError(
+            f"{directory} does not exist: train first (python -m detector.train) or check --workdir"
+        )
     if which == "best":
         manager = create_best_manager(workdir)
         step = manager.best_step()
@@ -116,16 +119,22 @@ def restore_params(workdir: str, which: str, abstract_params: Any) -> tuple[Any,
             manager.close()
             raise FileNotFoundError(
                 f"--checkpoint={which}: no such checkpoint in {checkpoint_dir(workdir)} (steps there: "
-                f"{', '.join(map(str, steps)) or 'none'}); use last, best or one of those steps")
+                f"{', '.join(map(str, steps)) or 'none'}); use last, best or one of those steps"
+            )
         item, target = STATE_ITEM, {PARAMS_ITEM: abstract_params}
     try:
         if step is None:
-            raise FileNotFoundError(f"no complete checkpoint in {directory}; train first (python -m detector.train) "
-                                    "or check --workdir")
+            raise FileNotFoundError(
+                f"no complete checkpoint in {directory}; train first (python -m detector.train) or check --workdir"
+            )
         restore_args = ocp.checkpoint_utils.construct_restore_args(target)
         # The full train state holds the optimizer state too; read the parameters alone.
-        restored = manager.restore(step, args=ocp.args.Composite(**{item: ocp.args.PyTreeRestore(
-            item=target, restore_args=restore_args, partial_restore=True)}))[item]
+        restored = manager.restore(
+            step,
+            args=ocp.args.Composite(
+                **{item: ocp.args.PyTreeRestore(item=target, restore_args=restore_args, partial_restore=True)}
+            ),
+        )[item]
     finally:
         manager.close()
     return (restored if which == "best" else restored[PARAMS_ITEM]), int(step)
@@ -145,8 +154,13 @@ def input_position(metadata: dict[str, Any], step: int, global_batch_size: int) 
 def create_best_manager(workdir: str) -> ocp.CheckpointManager:
     """Keeps the parameters of the single best evaluation (highest COCO AP) under `best_dir`."""
     options = ocp.CheckpointManagerOptions(
-        max_to_keep=1, best_fn=lambda metrics: metrics[BEST_METRIC], best_mode="max",
-        keep_checkpoints_without_metrics=False, enable_async_checkpointing=False, create=True)
+        max_to_keep=1,
+        best_fn=lambda metrics: metrics[BEST_METRIC],
+        best_mode="max",
+        keep_checkpoints_without_metrics=False,
+        enable_async_checkpointing=False,
+        create=True,
+    )
     return ocp.CheckpointManager(best_dir(workdir), options=options, item_names=(PARAMS_ITEM,))
 
 
@@ -155,8 +169,12 @@ def save_if_best(manager: ocp.CheckpointManager, step: int, params: Any, ap: flo
 
     Every process must call this with the same `ap` (checkpointing is collective).
     """
-    manager.save(step, args=ocp.args.Composite(**{PARAMS_ITEM: ocp.args.StandardSave(params)}),
-                 metrics={BEST_METRIC: float(ap)}, force=True)
+    manager.save(
+        step,
+        args=ocp.args.Composite(**{PARAMS_ITEM: ocp.args.StandardSave(params)}),
+        metrics={BEST_METRIC: float(ap)},
+        force=True,
+    )
 
 
 def restore_best(workdir: str) -> tuple[int, Any] | None:

@@ -68,11 +68,18 @@ class MetricWriter:
             if not path.exists():
                 continue
             lines = [line for line in path.read_text().splitlines() if line.strip()]
-            kept = [line for line, line_step in zip(lines, map(_step_of, lines))
-                    if line_step is not None and line_step <= step]
+            kept = [
+                line
+                for line, line_step in zip(lines, map(_step_of, lines))
+                if line_step is not None and line_step <= step
+            ]
             if len(kept) < len(lines):
-                logging.info("%s: dropped %d line(s) past step %d, the checkpoint this run resumes from",
-                             filename, len(lines) - len(kept), step)
+                logging.info(
+                    "%s: dropped %d line(s) past step %d, the checkpoint this run resumes from",
+                    filename,
+                    len(lines) - len(kept),
+                    step,
+                )
                 temporary = path.with_name(path.name + ".tmp")
                 temporary.write_text("".join(line + "\n" for line in kept))
                 temporary.replace(path)  # atomic: a second kill leaves the old file or the new one

@@ -86,7 +86,7 @@ class NonFiniteSteps:
         self._run_start, self._run_length = None, 0
 
     def observe(self, first_step: int, skipped: list[bool]) -> None:
-        """Takes the skipped flags of steps first_step, first_step + 1, ...; raises TrainingError if too many in a row."""
+        """Takes the skipped flags of steps first_step, first_step + 1, ...; raises TrainingError after too many."""
         for step, was_skipped in enumerate(skipped, start=first_step):
             if not was_skipped:
                 self._run_start, self._run_length = None, 0
@@ -94,7 +94,9 @@ class NonFiniteSteps:
             self.total += 1
             self._run_start = step if self._run_start is None else self._run_start
             self._run_length += 1
-            logging.warning("step %d: non-finite loss or gradient; update skipped (%d skipped so far)", step, self.total)
+            logging.warning(
+                "step %d: non-finite loss or gradient; update skipped (%d skipped so far)", step, self.total
+            )
             if self.max_consecutive and self._run_length >= self.max_consecutive:
                 raise TrainingError(
                     f"{self._run_length} consecutive steps ({self._run_start}-{step}) had a non-finite loss or "

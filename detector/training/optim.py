@@ -6,8 +6,8 @@ import jax
 import optax
 from flax import traverse_util
 
-from detector.models.resnet import check_norm, frozen_parameter_mask
 from detector.errors import ConfigError
+from detector.models.resnet import check_norm, frozen_parameter_mask
 
 
 def learning_rate_schedule(optimizer_config, total_steps: int) -> optax.Schedule:
@@ -20,13 +20,18 @@ def learning_rate_schedule(optimizer_config, total_steps: int) -> optax.Schedule
     peak = optimizer_config.learning_rate
     if optimizer_config.schedule == "cosine":
         return optax.warmup_cosine_decay_schedule(
-            init_value=0.0, peak_value=peak, warmup_steps=warmup,
-            decay_steps=max(total_steps, warmup + 1), end_value=0.0)
+            init_value=0.0,
+            peak_value=peak,
+            warmup_steps=warmup,
+            decay_steps=max(total_steps, warmup + 1),
+            end_value=0.0,
+        )
     if optimizer_config.schedule == "step":
         boundaries = sorted(int(b) for b in optimizer_config.decay_boundaries)
         if any(b <= warmup for b in boundaries):
-            raise ConfigError(f"optimizer.decay_boundaries={tuple(boundaries)} must all come after "
-                              f"optimizer.warmup_steps={warmup}")
+            raise ConfigError(
+                f"optimizer.decay_boundaries={tuple(boundaries)} must all come after optimizer.warmup_steps={warmup}"
+            )
         decay = optax.piecewise_constant_schedule(peak, {b - warmup: 0.1 for b in boundaries})
         return optax.join_schedules([optax.linear_schedule(0.0, peak, max(warmup, 1)), decay], [warmup])
     raise ConfigError(f"optimizer.schedule={optimizer_config.schedule!r} is not known; use 'cosine' or 'step'")
@@ -58,15 +63,18 @@ def frozen_parameters(model_config):
 
     def mask(params):
         frozen = traverse_util.flatten_dict(
-            frozen_parameter_mask(params["backbone"], norm=norm, freeze_stages=freeze_stages))
-        return traverse_util.unflatten_dict({path: path[0] == "backbone" and frozen[path[1:]]
-                                             for path in traverse_util.flatten_dict(params)})
+            frozen_parameter_mask(params["backbone"], norm=norm, freeze_stages=freeze_stages)
+        )
+        return traverse_util.unflatten_dict(
+            {path: path[0] == "backbone" and frozen[path[1:]] for path in traverse_util.flatten_dict(params)}
+        )
 
     return mask
 
 
-def create_optimizer(optimizer_config, total_steps: int, *,
-                     model_config=None) -> tuple[optax.GradientTransformation, optax.Schedule]:
+def create_optimizer(
+    optimizer_config, total_steps: int, *, model_config=None
+) -> tuple[optax.GradientTransformation, optax.Schedule]:
     """Returns (optimizer, schedule). Names: 'adamw' or 'sgd' (momentum, decoupled decay).
 
     With `model_config` (`config.model`), parameters the model config freezes

@@ -38,7 +38,9 @@ def plan_train_step(config, devices=None) -> StepPlan:
             config, model, tx, schedule, num_classes=num_classes, mesh=mesh, rules=rules
         )
     seconds = time.perf_counter() - start
-    batch = steps.abstract_batch(config, config.global_batch_size, sharding.batch_sharding(mesh, sharding.batch_axes(mesh)))
+    batch = steps.abstract_batch(
+        config, config.global_batch_size, sharding.batch_sharding(mesh, sharding.batch_axes(mesh))
+    )
     return plan_from_compiled(compiled, abstract_state, batch, dict(mesh.shape), config.global_batch_size, seconds)
 
 

@@ -88,8 +88,9 @@ def _spans_decades(series: Series) -> bool:
     return max(values) / min(values) > _LOG_SCALE_SPAN
 
 
-def _write_figure(series: Series, path: epath.Path, *, title: str, ylabel: str,
-                  log_y: bool = False, ylim_bottom: float | None = None) -> None:
+def _write_figure(
+    series: Series, path: epath.Path, *, title: str, ylabel: str, log_y: bool = False, ylim_bottom: float | None = None
+) -> None:
     figure = Figure(figsize=_FIGURE_SIZE_INCHES, dpi=_DPI)
     canvas = FigureCanvasAgg(figure)
     axes = figure.add_subplot()
@@ -144,7 +145,6 @@ def write_training_plots(workdir) -> list[epath.Path]:
     if average_precisions:
         plots_dir.mkdir(parents=True, exist_ok=True)
         path = plots_dir / MAP_PLOT_FILE
-        _write_figure(average_precisions, path, title="COCO box AP (evaluation)",
-                      ylabel="AP (0-1)", ylim_bottom=0.0)
+        _write_figure(average_precisions, path, title="COCO box AP (evaluation)", ylabel="AP (0-1)", ylim_bottom=0.0)
         written.append(path)
     return written

@@ -46,8 +46,9 @@ class PreemptionWatch:
             logging.warning("not on the main thread: SIGTERM and SIGINT will stop training without a checkpoint")
             return self
         if self._multi_process and not self._sync_service:
-            logging.warning("jax_enable_preemption_service is off: SIGTERM and SIGINT will stop training "
-                            "without a checkpoint")
+            logging.warning(
+                "jax_enable_preemption_service is off: SIGTERM and SIGINT will stop training without a checkpoint"
+            )
         elif self._multi_process:
             # SIGTERM belongs to JAX's preemption notifier (installed by jax.distributed.initialize).
             self._install(signal.SIGINT, self._forward_interrupt)
@@ -77,8 +78,10 @@ class PreemptionWatch:
                 raise KeyboardInterrupt("second interrupt: stopped without saving a checkpoint")
         if self.received is None:
             self.received = signal.Signals(signum).name
-            logging.warning("%s received: stopping at the next step with a checkpoint "
-                            "(press Ctrl-C again to abort without one)", self.received)
+            logging.warning(
+                "%s received: stopping at the next step with a checkpoint (press Ctrl-C again to abort without one)",
+                self.received,
+            )
 
     def _record(self, signum: int, frame) -> None:
         self._count_interrupt(signum)

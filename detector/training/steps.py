@@ -19,9 +19,8 @@ import optax
 
 import sharding
 from detector.ops import anchors as anchors_lib
-from detector.ops import losses
+from detector.ops import losses, postprocess
 from detector.training import optim
-from detector.ops import postprocess
 from detector.training.train_state import TrainState, state_shardings
 
 
@@ -29,8 +28,9 @@ def anchors_for_config(config) -> np.ndarray:
     """`[A, 4]` yxyx anchors in network-input pixels for `config.input.image_size`."""
     a = config.model.anchors
     height, width = config.input.image_size
-    return anchors_lib.generate_anchors(height, width, a.min_level, a.max_level, a.num_scales,
-                                        tuple(a.aspect_ratios), a.anchor_size)
+    return anchors_lib.generate_anchors(
+        height, width, a.min_level, a.max_level, a.num_scales, tuple(a.aspect_ratios), a.anchor_size
+    )
 
 
 def num_anchors_per_location(config) -> int:
@@ -38,12 +38,18 @@ def num_anchors_per_location(config) -> int:
     return anchors_lib.num_anchors_per_location(a.num_scales, tuple(a.aspect_ratios))
 
 
-def loss_fn(params, batch: dict[str, jax.Array], *, model: nn.Module, anchors: np.ndarray,
-            loss_config, num_classes: int) -> tuple[jax.Array, dict[str, jax.Array]]:
+def loss_fn(
+    params, batch: dict[str, jax.Array], *, model: nn.Module, anchors: np.ndarray, loss_config, num_classes: int
+) -> tuple[jax.Array, dict[str, jax.Array]]:
     """Mean detection loss of a global batch; returns (loss, terms)."""
     cls_logits, box_deltas = model.apply({"params": params}, batch["image"])
     return losses.retinanet_loss(
-        cls_logits, box_deltas, jnp.asarray(anchors), batch["boxes"], batch["labels"], batch["boxes_mask"],
+        cls_logits,
+        box_deltas,
+        jnp.asarray(anchors),
+        batch["boxes"],
+        batch["labels"],
+        batch["boxes_mask"],
         num_classes=num_classes,
         positive_iou=loss_config.positive_iou,
         negative_iou=loss_config.negative_iou,
@@ -58,10 +64,18 @@ def loss_fn(params, batch: dict[str, jax.Array], *, model: nn.Module, anchors: n
     )
 
 
-def train_step(state: TrainState, batch: dict[str, jax.Array], *, model: nn.Module,
-               tx: optax.GradientTransformation, schedule: optax.Schedule, anchors: np.ndarray,
-               loss_config, num_classes: int,
-               frozen: Callable[[Any], Any] | None = None) -> tuple[TrainState, dict[str, jax.Array]]:
+def train_step(
+    state: TrainState,
+    batch: dict[str, jax.Array],
+    *,
+    model: nn.Module,
+    tx: optax.GradientTransformation,
+    schedule: optax.Schedule,
+    anchors: np.ndarray,
+    loss_config,
+    num_classes: int,
+    frozen: Callable[[Any], Any] | None = None,
+) -> tuple[TrainState, dict[str, jax.Array]]:
     """One optimizer step on a global batch. Returns (new_state, scalar metrics).
 
     `frozen` (`optim.frozen_parameters`: params -> tree of bools) names the
@@ -69,15 +83,14 @@ def train_step(state: TrainState, batch: dict[str, jax.Array], *, model: nn.Modu
     When the loss or the gradient is not finite, parameters and optimizer
     state are returned unchanged and metrics['nonfinite'] is 1.
     """
+
     def loss_of_trainable(params, batch):
         if frozen is not None:
             # The optimizer ignores these gradients anyway; stopping them here
             # also drops their backward pass (kernel gradients, and the input
             # gradients below the lowest trainable layer) from the program.
-            params = jax.tree.map(lambda p, fixed: jax.lax.stop_gradient(p) if fixed else p,
-                                  params, frozen(params))
-        return loss_fn(params, batch, model=model, anchors=anchors, loss_config=loss_config,
-                       num_classes=num_classes)
+            params = jax.tree.map(lambda p, fixed: jax.lax.stop_gradient(p) if fixed else p, params, frozen(params))
+        return loss_fn(params, batch, model=model, anchors=anchors, loss_config=loss_config, num_classes=num_classes)
 
     grad_fn = jax.value_and_grad(loss_of_trainable, has_aux=True)
     (loss, terms), grads = grad_fn(state.params, batch)
@@ -107,9 +120,16 @@ def train_step(state: TrainState, batch: dict[str, jax.Array], *, model: nn.Modu
     return state.replace(step=state.step + 1, params=params, opt_state=opt_state), metrics
 
 
-def predict_step(params, batch: dict[str, jax.Array], *, model: nn.Module, anchors: np.ndarray,
-                 postprocess_config, image_size: tuple[int, int],
-                 box_coder_weights: tuple[float, ...]) -> dict[str, Any]:
+def predict_step(
+    params,
+    batch: dict[str, jax.Array],
+    *,
+    model: nn.Module,
+    anchors: np.ndarray,
+    postprocess_config,
+    image_size: tuple[int, int],
+    box_coder_weights: tuple[float, ...],
+) -> dict[str, Any]:
     """Detections in network-input pixels plus the batch fields needed to map them back.
 
     Returns dict: boxes `[B, D, 4]` yxyx, scores `[B, D]`, classes int32 `[B, D]`,
@@ -118,19 +138,29 @@ def predict_step(params, batch: dict[str, jax.Array], *, model: nn.Module, ancho
     """
     cls_logits, box_deltas = model.apply({"params": params}, batch["image"])
     detections = postprocess.detect(
-        cls_logits, box_deltas, jnp.asarray(anchors), image_size[0], image_size[1],
+        cls_logits,
+        box_deltas,
+        jnp.asarray(anchors),
+        image_size[0],
+        image_size[1],
         pre_nms_top_k=postprocess_config.pre_nms_top_k,
         score_threshold=postprocess_config.score_threshold,
         iou_threshold=postprocess_config.iou_threshold,
         max_detections=postprocess_config.max_detections,
         box_coder_weights=box_coder_weights,
     )
-    return {**detections, "image_id": batch["image_id"], "scale": batch["scale"],
-            "original_size": batch["original_size"], "example_mask": batch["example_mask"]}
+    return {
+        **detections,
+        "image_id": batch["image_id"],
+        "scale": batch["scale"],
+        "original_size": batch["original_size"],
+        "example_mask": batch["example_mask"],
+    }
 
 
-def abstract_batch(config: ml_collections.ConfigDict, global_batch_size: int,
-                   batch_sharding: jax.sharding.NamedSharding) -> dict[str, jax.ShapeDtypeStruct]:
+def abstract_batch(
+    config: ml_collections.ConfigDict, global_batch_size: int, batch_sharding: jax.sharding.NamedSharding
+) -> dict[str, jax.ShapeDtypeStruct]:
     """Shapes, dtypes and sharding of one global batch, as the input pipeline yields it."""
     height, width = config.input.image_size
     max_boxes = config.input.max_boxes
@@ -148,8 +178,16 @@ def abstract_batch(config: ml_collections.ConfigDict, global_batch_size: int,
     return {k: jax.ShapeDtypeStruct(shape, dtype, sharding=batch_sharding) for k, (shape, dtype) in spec.items()}
 
 
-def compile_train_step(config: ml_collections.ConfigDict, model: nn.Module, tx, schedule, *, num_classes: int,
-                       mesh: jax.sharding.Mesh, rules) -> tuple[Any, TrainState, TrainState]:
+def compile_train_step(
+    config: ml_collections.ConfigDict,
+    model: nn.Module,
+    tx,
+    schedule,
+    *,
+    num_classes: int,
+    mesh: jax.sharding.Mesh,
+    rules,
+) -> tuple[Any, TrainState, TrainState]:
     """Compiles `train_step` ahead of time with explicit shardings and a donated state.
 
     Must run inside `sharding.use_mesh(mesh, rules)`.
@@ -159,20 +197,35 @@ def compile_train_step(config: ml_collections.ConfigDict, model: nn.Module, tx, 
     abstract_state, shardings = state_shardings(model, tx, tuple(config.input.image_size), mesh, rules)
     batch_sharding = sharding.batch_sharding(mesh, sharding.batch_axes(mesh))
     train_fn = jax.jit(
-        functools.partial(train_step, model=model, tx=tx, schedule=schedule,
-                          anchors=anchors_for_config(config), loss_config=config.loss,
-                          num_classes=num_classes, frozen=optim.frozen_parameters(config.model)),
+        functools.partial(
+            train_step,
+            model=model,
+            tx=tx,
+            schedule=schedule,
+            anchors=anchors_for_config(config),
+            loss_config=config.loss,
+            num_classes=num_classes,
+            frozen=optim.frozen_parameters(config.model),
+        ),
         in_shardings=(shardings, batch_sharding),
         out_shardings=(shardings, sharding.replicated(mesh)),
         donate_argnums=0,
     )
-    compiled = train_fn.lower(abstract_state, abstract_batch(config, config.global_batch_size,
-                                                             batch_sharding)).compile()
+    compiled = train_fn.lower(
+        abstract_state, abstract_batch(config, config.global_batch_size, batch_sharding)
+    ).compile()
     return compiled, abstract_state, shardings
 
 
-def compile_predict_step(config: ml_collections.ConfigDict, model: nn.Module, *, abstract_params: Any,
-                         param_shardings: Any, mesh: jax.sharding.Mesh, batch_size: int) -> Any:
+def compile_predict_step(
+    config: ml_collections.ConfigDict,
+    model: nn.Module,
+    *,
+    abstract_params: Any,
+    param_shardings: Any,
+    mesh: jax.sharding.Mesh,
+    batch_size: int,
+) -> Any:
     """Compiles `predict_step` for global batches of `batch_size`, sharded like training.
 
     Must run inside `sharding.use_mesh(mesh, rules)`.
@@ -180,9 +233,14 @@ def compile_predict_step(config: ml_collections.ConfigDict, model: nn.Module, *,
     """
     batch_sharding = sharding.batch_sharding(mesh, sharding.batch_axes(mesh))
     predict_fn = jax.jit(
-        functools.partial(predict_step, model=model, anchors=anchors_for_config(config),
-                          postprocess_config=config.postprocess, image_size=tuple(config.input.image_size),
-                          box_coder_weights=tuple(config.loss.box_coder_weights)),
+        functools.partial(
+            predict_step,
+            model=model,
+            anchors=anchors_for_config(config),
+            postprocess_config=config.postprocess,
+            image_size=tuple(config.input.image_size),
+            box_coder_weights=tuple(config.loss.box_coder_weights),
+        ),
         in_shardings=(param_shardings, batch_sharding),
         out_shardings=batch_sharding,
     )

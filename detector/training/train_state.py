@@ -30,8 +30,11 @@ class TrainState:
 def _strip_axis_metadata(boxed_params):
     # `nn.meta.unbox` would also apply sharding constraints, which is only
     # valid on traced arrays; here the caller sets shardings explicitly.
-    return jax.tree.map(lambda x: x.unbox(apply_constraint=False) if isinstance(x, nn.meta.AxisMetadata) else x,
-                        boxed_params, is_leaf=lambda x: isinstance(x, nn.meta.AxisMetadata))
+    return jax.tree.map(
+        lambda x: x.unbox(apply_constraint=False) if isinstance(x, nn.meta.AxisMetadata) else x,
+        boxed_params,
+        is_leaf=lambda x: isinstance(x, nn.meta.AxisMetadata),
+    )
 
 
 def _init_params(model: nn.Module, image_size: tuple[int, int], rng: jax.Array):
@@ -48,13 +51,15 @@ def params_shardings(model: nn.Module, image_size: tuple[int, int], mesh: Mesh, 
     boxed = jax.eval_shape(lambda r: _init_params(model, image_size, r), jax.random.key(0))
     abstract_params = _strip_axis_metadata(boxed)
     shardings = mesh_sharding_for_logical_specs(abstract_params, nn.get_partition_spec(boxed), mesh, rules)
-    abstract_params = jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s),
-                                   abstract_params, shardings)
+    abstract_params = jax.tree.map(
+        lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), abstract_params, shardings
+    )
     return abstract_params, shardings
 
 
-def state_shardings(model: nn.Module, tx: optax.GradientTransformation, image_size: tuple[int, int],
-                    mesh: Mesh, rules) -> tuple[TrainState, TrainState]:
+def state_shardings(
+    model: nn.Module, tx: optax.GradientTransformation, image_size: tuple[int, int], mesh: Mesh, rules
+) -> tuple[TrainState, TrainState]:
     """Returns (abstract_state, shardings) without allocating parameters.
 
     `abstract_state` holds `jax.ShapeDtypeStruct`s carrying their sharding, the
@@ -64,17 +69,27 @@ def state_shardings(model: nn.Module, tx: optax.GradientTransformation, image_si
     abstract_params, param_shardings = params_shardings(model, image_size, mesh, rules)
     abstract_opt_state = jax.eval_shape(tx.init, abstract_params)
     opt_shardings = optax.tree_map_params(
-        tx, lambda _, sharding: sharding, abstract_opt_state, param_shardings,
-        transform_non_params=lambda _: replicated(mesh))
+        tx,
+        lambda _, sharding: sharding,
+        abstract_opt_state,
+        param_shardings,
+        transform_non_params=lambda _: replicated(mesh),
+    )
     shardings = TrainState(step=replicated(mesh), params=param_shardings, opt_state=opt_shardings)
-    abstract = TrainState(step=jax.ShapeDtypeStruct((), jnp.int32), params=abstract_params,
-                          opt_state=abstract_opt_state)
+    abstract = TrainState(
+        step=jax.ShapeDtypeStruct((), jnp.int32), params=abstract_params, opt_state=abstract_opt_state
+    )
     abstract = jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), abstract, shardings)
     return abstract, shardings
 
 
-def init_train_state(model: nn.Module, tx: optax.GradientTransformation, image_size: tuple[int, int],
-                     shardings: TrainState, rng: jax.Array) -> TrainState:
+def init_train_state(
+    model: nn.Module,
+    tx: optax.GradientTransformation,
+    image_size: tuple[int, int],
+    shardings: TrainState,
+    rng: jax.Array,
+) -> TrainState:
     """Initialises the state directly in its sharded layout (no host-side full copy)."""
 
     def init(rng):
@@ -91,5 +106,7 @@ def count_params(params) -> int:
 def describe_param_shardings(params) -> dict[str, str]:
     """`{'backbone/stem_conv/Conv_0/kernel': 'P(None, None, None, model)', ...}` for logs and tests."""
     flat = flax.traverse_util.flatten_dict(params, sep="/")
-    return {k: str(v.sharding.spec) if isinstance(getattr(v, "sharding", None), NamedSharding) else "?"
-            for k, v in flat.items()}
+    return {
+        k: str(v.sharding.spec) if isinstance(getattr(v, "sharding", None), NamedSharding) else "?"
+        for k, v in flat.items()
+    }

@@ -12,7 +12,6 @@ from benchmarks import gpu
 from tests.helpers import REPO_ROOT
 
 
-
 def _cpu_env() -> dict[str, str]:
     """The test process's environment on one CPU device (conftest's 8 fake devices would split batch 2)."""
     env = dict(os.environ, JAX_PLATFORMS="cpu")
@@ -23,22 +22,31 @@ def _cpu_env() -> dict[str, str]:
 
 
 def _run(module: str, *args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", module, *args], cwd=REPO_ROOT, env=_cpu_env(),
-                          capture_output=True, text=True, timeout=600)
+    return subprocess.run(
+        [sys.executable, "-m", module, *args],
+        cwd=REPO_ROOT,
+        env=_cpu_env(),
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
 
 
-@pytest.mark.parametrize("device_kind, expected", [
-    ("NVIDIA H100 80GB HBM3", 989e12),
-    ("NVIDIA H100 PCIe", 756e12),
-    ("NVIDIA H200", 989e12),
-    ("NVIDIA A100-SXM4-80GB", 312e12),
-    ("NVIDIA L4", 121e12),
-    ("NVIDIA L40S", 362e12),
-    ("TPU v5 lite", 197e12),
-    ("TPU v5", 459e12),
-    ("cpu", None),
-    ("Some Future Accelerator", None),
-])
+@pytest.mark.parametrize(
+    "device_kind, expected",
+    [
+        ("NVIDIA H100 80GB HBM3", 989e12),
+        ("NVIDIA H100 PCIe", 756e12),
+        ("NVIDIA H200", 989e12),
+        ("NVIDIA A100-SXM4-80GB", 312e12),
+        ("NVIDIA L4", 121e12),
+        ("NVIDIA L40S", 362e12),
+        ("TPU v5 lite", 197e12),
+        ("TPU v5", 459e12),
+        ("cpu", None),
+        ("Some Future Accelerator", None),
+    ],
+)
 def test_peak_flops_lookup(device_kind, expected):
     assert gpu.peak_flops(device_kind) == expected
 
@@ -74,8 +82,14 @@ def test_gpu_smoke(tmp_path):
 
 
 def test_compile_time_warm_cache_skips_compiling(tmp_path):
-    result = _run("benchmarks.compile_time", "--configs=default", "--image_size=64",
-                  f"--cache_root={tmp_path / 'cache'}", "--output_dir", str(tmp_path))
+    result = _run(
+        "benchmarks.compile_time",
+        "--configs=default",
+        "--image_size=64",
+        f"--cache_root={tmp_path / 'cache'}",
+        "--output_dir",
+        str(tmp_path),
+    )
     assert result.returncode == 0, result.stderr[-3000:]
     with open(tmp_path / "compile_time.json") as f:
         cold, warm = json.load(f)["rows"]
@@ -91,16 +105,19 @@ def test_compile_time_warm_cache_skips_compiling(tmp_path):
 
 
 def test_torchvision_comparison_says_how_to_install_torch_when_missing():
-    hide_torch = ("import importlib.util, runpy, sys\n"
-                  "find_spec = importlib.util.find_spec\n"
-                  "importlib.util.find_spec = lambda name, *a: None if name in ('torch', 'torchvision') "
-                  "else find_spec(name, *a)\n"
-                  "sys.argv = ['vs_torchvision']\n"
-                  "runpy.run_module('benchmarks.vs_torchvision', run_name='__main__', alter_sys=True)\n")
-    result = subprocess.run([sys.executable, "-c", hide_torch], cwd=REPO_ROOT, env=_cpu_env(),
-                            capture_output=True, text=True, timeout=300)
+    hide_torch = (
+        "import importlib.util, runpy, sys\n"
+        "find_spec = importlib.util.find_spec\n"
+        "importlib.util.find_spec = lambda name, *a: None if name in ('torch', 'torchvision') "
+        "else find_spec(name, *a)\n"
+        "sys.argv = ['vs_torchvision']\n"
+        "runpy.run_module('benchmarks.vs_torchvision', run_name='__main__', alter_sys=True)\n"
+    )
+    result = subprocess.run(
+        [sys.executable, "-c", hide_torch], cwd=REPO_ROOT, env=_cpu_env(), capture_output=True, text=True, timeout=300
+    )
     assert result.returncode != 0
-    assert "pip install -e \".[bench]\"" in result.stderr.strip().splitlines()[-1]
+    assert 'pip install -e ".[bench]"' in result.stderr.strip().splitlines()[-1]
 
 
 # torchvision's parameter counts, from its own process (torchvision can crash
@@ -125,18 +142,25 @@ def test_compared_models_have_the_same_parameters():
     from flax import traverse_util
 
     from benchmarks import vs_torchvision
-    from detector.training import optim
-    from detector.training import steps
     from detector.models.retinanet import create_model
+    from detector.training import optim, steps
 
-    result = subprocess.run([sys.executable, "-c", _TORCHVISION_PARAMETERS], cwd=REPO_ROOT, env=_cpu_env(),
-                            capture_output=True, text=True, timeout=300, check=True)
+    result = subprocess.run(
+        [sys.executable, "-c", _TORCHVISION_PARAMETERS],
+        cwd=REPO_ROOT,
+        env=_cpu_env(),
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=True,
+    )
     theirs = json.loads(result.stdout.strip().splitlines()[-1])
     config = vs_torchvision.our_config(2, 512, "float32")
     model = create_model(config.model, 80, steps.num_anchors_per_location(config))
     params = jax.eval_shape(lambda: model.init(jax.random.key(0), jax.numpy.zeros((1, 512, 512, 3))))["params"]
-    params = jax.tree.map(lambda x: x.value if hasattr(x, "value") else x, params,
-                          is_leaf=lambda x: hasattr(x, "value"))
+    params = jax.tree.map(
+        lambda x: x.value if hasattr(x, "value") else x, params, is_leaf=lambda x: hasattr(x, "value")
+    )
     frozen = traverse_util.flatten_dict(optim.frozen_parameters(config.model)(params))
     sizes = {path: int(np.prod(leaf.shape)) for path, leaf in traverse_util.flatten_dict(params).items()}
     # torchvision keeps frozen BatchNorm as buffers, not parameters.

@@ -12,17 +12,17 @@ import jax.numpy as jnp
 import ml_collections
 import numpy as np
 import pytest
-from jax.sharding import NamedSharding, PartitionSpec as P
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
 
 import sharding
 from configs import retinanet_r50_coco
-from tests.helpers import REPO_ROOT
-from detector.training import optim
-from detector.training import steps
 from detector.models.retinanet import create_model
+from detector.training import optim, steps
 from detector.training.train_state import count_params, state_shardings
 from input_pipeline import datasets
 from sharding import memory
+from tests.helpers import REPO_ROOT
 
 CONFIG_DIR = REPO_ROOT / "configs"
 CONFIG_FILES = sorted(p for p in CONFIG_DIR.glob("*.py") if p.name != "__init__.py")
@@ -53,7 +53,7 @@ def test_config_loads_and_its_parts_build(path):
     assert config.checkpoint_every_steps > 0 and config.eval_every_steps > 0
     height, width = config.input.image_size
     # The coarsest pyramid level must still divide the static input size.
-    stride = 2 ** config.model.anchors.max_level
+    stride = 2**config.model.anchors.max_level
     assert height % stride == 0 and width % stride == 0
 
 
@@ -102,14 +102,22 @@ def test_r50_train_step_compiles_on_8_devices():
     with sharding.use_mesh(mesh, rules):
         abstract_state, shardings = state_shardings(model, tx, tuple(config.input.image_size), mesh, rules)
         train_fn = jax.jit(
-            functools.partial(steps.train_step, model=model, tx=tx, schedule=schedule, anchors=anchors,
-                              loss_config=config.loss, num_classes=num_classes),
+            functools.partial(
+                steps.train_step,
+                model=model,
+                tx=tx,
+                schedule=schedule,
+                anchors=anchors,
+                loss_config=config.loss,
+                num_classes=num_classes,
+            ),
             in_shardings=(shardings, batch_sharding),
             out_shardings=(shardings, sharding.replicated(mesh)),
             donate_argnums=0,
         )
         compiled = train_fn.lower(
-            abstract_state, steps.abstract_batch(config, config.global_batch_size, batch_sharding)).compile()
+            abstract_state, steps.abstract_batch(config, config.global_batch_size, batch_sharding)
+        ).compile()
 
     # RetinaNet R50-FPN: torchvision's has 34.01M parameters with 91 classes,
     # 33.79M with 80; GroupNorm in the head towers and biases differ slightly.
@@ -134,8 +142,11 @@ def test_rules_keep_conv_input_channels_unsplit(path):
     assert rules.get("conv_in") is None
 
 
-@pytest.mark.xfail(strict=True, reason="XLA (jax 0.10, Shardy and GSPMD) computes this kernel gradient wrongly; "
-                                       "when this passes, splitting conv_in over fsdp is safe again")
+@pytest.mark.xfail(
+    strict=True,
+    reason="XLA (jax 0.10, Shardy and GSPMD) computes this kernel gradient wrongly; "
+    "when this passes, splitting conv_in over fsdp is safe again",
+)
 def test_xla_kernel_gradient_with_input_and_output_channels_split_on_a_2x2x2_mesh():
     """A kernel split over fsdp (input channels) and model (output channels) on a (2, 2, 2) mesh.
 
@@ -167,8 +178,9 @@ def test_xla_kernel_gradient_with_input_and_output_channels_split_on_a_2x2x2_mes
     expected = jax.grad(loss)(w1, w2, x, False)
     kernel = NamedSharding(mesh, P(None, None, "fsdp", "model"))
     batch = NamedSharding(mesh, P(("data", "fsdp")))
-    grad = jax.jit(lambda w1, w2, x: jax.grad(loss)(w1, w2, x, True),
-                   in_shardings=(kernel, kernel, batch), out_shardings=kernel)
+    grad = jax.jit(
+        lambda w1, w2, x: jax.grad(loss)(w1, w2, x, True), in_shardings=(kernel, kernel, batch), out_shardings=kernel
+    )
     actual = grad(jax.device_put(w1, kernel), jax.device_put(w2, kernel), jax.device_put(x, batch))
     np.testing.assert_allclose(np.asarray(actual), expected, rtol=1e-4, atol=1e-4 * np.abs(expected).max())
 

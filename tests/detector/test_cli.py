@@ -14,6 +14,7 @@ import sys
 import time
 
 import pytest
+
 from tests.helpers import REPO_ROOT
 
 TIMEOUT_S = 300
@@ -26,47 +27,83 @@ def _cases(tmp: pathlib.Path) -> dict[str, dict]:
     missing_parent = tmp / "no_such_parent" / "data"
     return {
         "wrong_mesh": dict(
-            args=["--config.mesh.data=3"], code=1,
-            patterns=[r"mesh \(data=3, fsdp=1, model=1\) needs 3 devices but 8 are available",
-                      r"product is 8"]),
+            args=["--config.mesh.data=3"],
+            code=1,
+            patterns=[r"mesh \(data=3, fsdp=1, model=1\) needs 3 devices but 8 are available", r"product is 8"],
+        ),
         "indivisible_batch": dict(
-            args=["--config.global_batch_size=12"], code=1,
-            patterns=[r"global_batch_size=12 does not divide", r"multiple of 8"]),
+            args=["--config.global_batch_size=12"],
+            code=1,
+            patterns=[r"global_batch_size=12 does not divide", r"multiple of 8"],
+        ),
         "unknown_config_key": dict(
-            args=["--config.no_such_key=1"], code=2,
-            patterns=[r"--config\.no_such_key\b", r"(?i)unknown|does not exist|no such key|not a (known|valid)"]),
+            args=["--config.no_such_key=1"],
+            code=2,
+            patterns=[r"--config\.no_such_key\b", r"(?i)unknown|does not exist|no such key|not a (known|valid)"],
+        ),
         "unknown_nested_config_key": dict(
-            args=["--config.model.no_such_key=1"], code=2,
-            patterns=[r"--config\.model\.no_such_key\b", r"(?i)unknown|does not exist|no such key|not a (known|valid)"]),
+            args=["--config.model.no_such_key=1"],
+            code=2,
+            patterns=[r"--config\.model\.no_such_key\b", r"(?i)unknown|does not exist|no such key|not a (known|valid)"],
+        ),
         "coco_not_prepared": dict(
-            args=["--config.dataset.name=coco/2017", f"--config.dataset.data_dir={empty_dir}"], code=1,
-            patterns=[re.escape(f"cannot read split 'train' of coco/2017 from {empty_dir}"), r"tfds build coco/2017"]),
+            args=["--config.dataset.name=coco/2017", f"--config.dataset.data_dir={empty_dir}"],
+            code=1,
+            patterns=[re.escape(f"cannot read split 'train' of coco/2017 from {empty_dir}"), r"tfds build coco/2017"],
+        ),
         "coco_json_without_paths": dict(
-            args=["--config.dataset.name=coco_json", f"--config.dataset.data_dir={empty_dir}"], code=1,
-            patterns=[r"dataset coco_json needs dataset\.train_json and dataset\.train_images",
-                      r"--config\.dataset\.train_json=PATH"]),
+            args=["--config.dataset.name=coco_json", f"--config.dataset.data_dir={empty_dir}"],
+            code=1,
+            patterns=[
+                r"dataset coco_json needs dataset\.train_json and dataset\.train_images",
+                r"--config\.dataset\.train_json=PATH",
+            ],
+        ),
         "coco_json_missing_file": dict(
-            args=["--config.dataset.name=coco_json", f"--config.dataset.data_dir={empty_dir}",
-                  f"--config.dataset.train_json={tmp}/nope.json", f"--config.dataset.train_images={tmp}",
-                  f"--config.dataset.eval_json={tmp}/nope.json", f"--config.dataset.eval_images={tmp}"], code=1,
-            patterns=[re.escape(f"{tmp}/nope.json"), r"does not exist", r"--config\.dataset\.train_json"]),
+            args=[
+                "--config.dataset.name=coco_json",
+                f"--config.dataset.data_dir={empty_dir}",
+                f"--config.dataset.train_json={tmp}/nope.json",
+                f"--config.dataset.train_images={tmp}",
+                f"--config.dataset.eval_json={tmp}/nope.json",
+                f"--config.dataset.eval_images={tmp}",
+            ],
+            code=1,
+            patterns=[re.escape(f"{tmp}/nope.json"), r"does not exist", r"--config\.dataset\.train_json"],
+        ),
         "partial_distributed_flags": dict(
-            args=["--num_processes=2"], code=1,
-            patterns=[r"--coordinator_address, --num_processes and --process_id go together"]),
+            args=["--num_processes=2"],
+            code=1,
+            patterns=[r"--coordinator_address, --num_processes and --process_id go together"],
+        ),
         "data_dir_parent_missing": dict(
-            args=[f"--config.dataset.data_dir={missing_parent}"], code=1,
-            patterns=[re.escape(f"parent directory {missing_parent.parent} does not exist")]),
+            args=[f"--config.dataset.data_dir={missing_parent}"],
+            code=1,
+            patterns=[re.escape(f"parent directory {missing_parent.parent} does not exist")],
+        ),
         "config_file_missing": dict(
-            args=[], config="configs/no_such_config.py", code=2,
-            patterns=[r"no_such_config\.py", r"(?i)no such file|not found|does not exist|cannot (load|open|read)"]),
+            args=[],
+            config="configs/no_such_config.py",
+            code=2,
+            patterns=[r"no_such_config\.py", r"(?i)no such file|not found|does not exist|cannot (load|open|read)"],
+        ),
         # --verbose: the same bad mesh, now with the traceback (checked separately).
         "verbose_wrong_mesh": dict(args=["--verbose", "--config.mesh.data=3"], code=1, patterns=[]),
     }
 
 
-CASE_NAMES = ["wrong_mesh", "indivisible_batch", "unknown_config_key", "unknown_nested_config_key",
-              "coco_not_prepared", "coco_json_without_paths", "coco_json_missing_file", "partial_distributed_flags", "data_dir_parent_missing",
-              "config_file_missing"]
+CASE_NAMES = [
+    "wrong_mesh",
+    "indivisible_batch",
+    "unknown_config_key",
+    "unknown_nested_config_key",
+    "coco_not_prepared",
+    "coco_json_without_paths",
+    "coco_json_missing_file",
+    "partial_distributed_flags",
+    "data_dir_parent_missing",
+    "config_file_missing",
+]
 
 
 @pytest.fixture(scope="module")
@@ -75,16 +112,28 @@ def cli_results(tmp_path_factory):
     data_dir = tmp / "data"
     data_dir.mkdir()
     env = dict(os.environ)
-    env.update(XLA_FLAGS="--xla_force_host_platform_device_count=8", JAX_PLATFORMS="cpu",
-               DETECTOR_DATA_DIR=str(data_dir), TF_CPP_MIN_LOG_LEVEL="2", CUDA_VISIBLE_DEVICES="")
+    env.update(
+        XLA_FLAGS="--xla_force_host_platform_device_count=8",
+        JAX_PLATFORMS="cpu",
+        DETECTOR_DATA_DIR=str(data_dir),
+        TF_CPP_MIN_LOG_LEVEL="2",
+        CUDA_VISIBLE_DEVICES="",
+    )
     cases = _cases(tmp)
     assert sorted(cases) == sorted(CASE_NAMES + ["verbose_wrong_mesh"])
     processes = {}
     for name, case in cases.items():
-        command = [sys.executable, "-m", "detector.train", f"--config={case.get('config', 'configs/default.py')}",
-                   f"--workdir={tmp / 'workdirs' / name}", *case["args"]]
-        processes[name] = subprocess.Popen(command, cwd=REPO_ROOT, env=env, stdout=subprocess.PIPE,
-                                           stderr=subprocess.PIPE, text=True)
+        command = [
+            sys.executable,
+            "-m",
+            "detector.train",
+            f"--config={case.get('config', 'configs/default.py')}",
+            f"--workdir={tmp / 'workdirs' / name}",
+            *case["args"],
+        ]
+        processes[name] = subprocess.Popen(
+            command, cwd=REPO_ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+        )
     results = {}
     deadline = time.monotonic() + TIMEOUT_S
     for name, process in processes.items():

@@ -1,4 +1,6 @@
-"""Restores a workdir's newest checkpoint onto a mesh, as one process of a run (launched by tests/integration/test_fault_tolerance.py).
+"""Restores a workdir's newest checkpoint onto a mesh, as one process of a run.
+
+Launched by tests/integration/test_fault_tolerance.py.
 
 usage: python -m tests.helpers.checkpoint_worker CONFIG_JSON SRC_WORKDIR DATA,FSDP,MODEL OUT_NPZ [DST_WORKDIR]
        [--coordinator_address=... --num_processes=N --process_id=I]
@@ -47,8 +49,12 @@ def main(argv):
     host_state = multihost_utils.process_allgather(state, tiled=True)  # collective: every process
     if jax.process_index() == 0:
         arrays = {"step": np.asarray(host_state.step), "partitioned": np.int64(partitioned)}
-        arrays.update({f"params/{k}": np.asarray(v)
-                       for k, v in flax.traverse_util.flatten_dict(host_state.params, sep="/").items()})
+        arrays.update(
+            {
+                f"params/{k}": np.asarray(v)
+                for k, v in flax.traverse_util.flatten_dict(host_state.params, sep="/").items()
+            }
+        )
         arrays.update({f"opt_state/{i}": np.asarray(v) for i, v in enumerate(jax.tree.leaves(host_state.opt_state))})
         np.savez(out, **arrays)
     if dst is not None:

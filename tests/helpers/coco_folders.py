@@ -33,14 +33,28 @@ def write_folder(root, split, num_images, *, size=64, crowd_every=3, negative_id
         if index in negative_ids:
             continue
         for (y0, x0, y1, x1), label in zip(ex.boxes.tolist(), ex.labels.tolist()):
-            annotations.append({"id": len(annotations) + 1, "image_id": image_id,
-                                "category_id": CATEGORY_IDS[label], "bbox": [x0, y0, x1 - x0, y1 - y0],
-                                "area": (x1 - x0) * (y1 - y0), "iscrowd": 0})
+            annotations.append(
+                {
+                    "id": len(annotations) + 1,
+                    "image_id": image_id,
+                    "category_id": CATEGORY_IDS[label],
+                    "bbox": [x0, y0, x1 - x0, y1 - y0],
+                    "area": (x1 - x0) * (y1 - y0),
+                    "iscrowd": 0,
+                }
+            )
         if crowd_every and index % crowd_every == 0:
             y0, x0, y1, x1 = ex.boxes[0].tolist()
-            annotations.append({"id": len(annotations) + 1, "image_id": image_id,
-                                "category_id": CATEGORY_IDS[int(ex.labels[0])],
-                                "bbox": [x0, y0, x1 - x0, y1 - y0], "area": (x1 - x0) * (y1 - y0), "iscrowd": 1})
+            annotations.append(
+                {
+                    "id": len(annotations) + 1,
+                    "image_id": image_id,
+                    "category_id": CATEGORY_IDS[int(ex.labels[0])],
+                    "bbox": [x0, y0, x1 - x0, y1 - y0],
+                    "area": (x1 - x0) * (y1 - y0),
+                    "iscrowd": 1,
+                }
+            )
     data = {"images": images, "annotations": annotations, "categories": CATEGORIES}
     json_path = root / f"{split}.json"
     json_path.write_text(json.dumps(data))
@@ -51,8 +65,13 @@ def coco_json_overrides(root, num_train=16, num_eval=8):
     """Dotted config overrides that point the trainer at a fresh COCO folder under `root`."""
     train_json, train_images, _ = write_folder(root, "train", num_train)
     eval_json, eval_images, _ = write_folder(root, "validation", num_eval)
-    return {"dataset.name": "coco_json", "dataset.train_json": train_json, "dataset.train_images": train_images,
-            "dataset.eval_json": eval_json, "dataset.eval_images": eval_images}
+    return {
+        "dataset.name": "coco_json",
+        "dataset.train_json": train_json,
+        "dataset.train_images": train_images,
+        "dataset.eval_json": eval_json,
+        "dataset.eval_images": eval_images,
+    }
 
 
 def first_box_yxyx(data, image_id):

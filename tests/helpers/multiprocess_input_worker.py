@@ -32,9 +32,14 @@ def main(config_json, port, num_processes, process_id, out):
     from sharding import distributed  # noqa: E402
 
     # As the trainer joins: explicit flags, gloo collectives on CPU.
-    assert distributed.initialize(distributed.DistributedOptions(
-        coordinator_address=f"127.0.0.1:{port}", num_processes=int(num_processes), process_id=int(process_id),
-        initialization_timeout_s=120))
+    assert distributed.initialize(
+        distributed.DistributedOptions(
+            coordinator_address=f"127.0.0.1:{port}",
+            num_processes=int(num_processes),
+            process_id=int(process_id),
+            initialization_timeout_s=120,
+        )
+    )
 
     config = ml_collections.ConfigDict(json.loads(open(config_json).read()))
     mesh = sharding.create_mesh(dict(data=-1, fsdp=1, model=1))
@@ -48,7 +53,8 @@ def main(config_json, port, num_processes, process_id, out):
     fresh = input_pipeline.create_train_iterator(config, first_row=first_row)
     batches = [global_view(next(fresh)) for _ in range(STEPS)]
     resumed_iter = input_pipeline.create_train_iterator(
-        config, start_position=RESUME_STEP * config.global_batch_size, first_row=first_row)
+        config, start_position=RESUME_STEP * config.global_batch_size, first_row=first_row
+    )
     resumed = global_view(next(resumed_iter))
     first_rows = np.asarray(multihost_utils.process_allgather(np.int32(first_row)))  # every process takes part
     if jax.process_index() == 0:

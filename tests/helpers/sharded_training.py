@@ -11,10 +11,9 @@ import numpy as np
 
 import input_pipeline
 import sharding
-from detector.training import optim
-from detector.training import steps
-from detector.models.retinanet import create_model
 from configs import default
+from detector.models.retinanet import create_model
+from detector.training import optim, steps
 from detector.training.train_state import TrainState, describe_param_shardings, state_shardings
 
 NUM_CLASSES = 4  # synthetic_shapes
@@ -37,18 +36,22 @@ def train_on_mesh(config, mesh_shape, initial_params, batches, num_classes: int)
     Returns metrics (one dict per step), params (flat {'a/b/kernel': array})
     and param_specs (flat {'a/b/kernel': 'PartitionSpec(...)'}).
     """
-    devices = jax.devices()[:math.prod(mesh_shape)]
+    devices = jax.devices()[: math.prod(mesh_shape)]
     mesh = sharding.create_mesh(dict(zip(sharding.MESH_AXES, mesh_shape)), devices=devices)
     rules = sharding.logical_rules(config.sharding)
     model = create_model(config.model, num_classes, steps.num_anchors_per_location(config))
     tx, schedule = optim.create_optimizer(config.optimizer, config.total_steps, model_config=config.model)
     with sharding.use_mesh(mesh, rules):
-        compiled, _, shardings = steps.compile_train_step(config, model, tx, schedule, num_classes=num_classes,
-                                                          mesh=mesh, rules=rules)
+        compiled, _, shardings = steps.compile_train_step(
+            config, model, tx, schedule, num_classes=num_classes, mesh=mesh, rules=rules
+        )
         # From host copies: the step donates its state, so every run needs its own buffers.
         params = jax.device_put(jax.device_get(initial_params), shardings.params)
-        state = TrainState(step=jax.device_put(np.int32(0), shardings.step), params=params,
-                           opt_state=jax.jit(tx.init, out_shardings=shardings.opt_state)(params))
+        state = TrainState(
+            step=jax.device_put(np.int32(0), shardings.step),
+            params=params,
+            opt_state=jax.jit(tx.init, out_shardings=shardings.opt_state)(params),
+        )
     param_specs = describe_param_shardings(state.params)
     metrics = []
     for batch in batches:
@@ -58,8 +61,9 @@ def train_on_mesh(config, mesh_shape, initial_params, batches, num_classes: int)
     return types.SimpleNamespace(metrics=metrics, params=params, param_specs=param_specs)
 
 
-def assert_same_training(reference: types.SimpleNamespace, sharded: types.SimpleNamespace,
-                         initial_params: dict[str, np.ndarray]) -> None:
+def assert_same_training(
+    reference: types.SimpleNamespace, sharded: types.SimpleNamespace, initial_params: dict[str, np.ndarray]
+) -> None:
     """Two `train_on_mesh` results agree: losses, gradient norms, parameters and each update.
 
     `initial_params` is flat like the results' params. Updates are compared

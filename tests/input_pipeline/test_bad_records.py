@@ -44,14 +44,17 @@ CASES = {
     "gray.jpg": (_encoded("L", "JPEG"), GOOD),
     "rgba.png": (_encoded("RGBA"), GOOD),
     "deep.png": (_encoded("I;16"), GOOD),
-    "boxes.png": (_encoded(seed=7), [
-        _box(float("nan"), 1, 5, 5),     # invalid_box: dropped
-        _box(4, 4, -3, 5),               # empty_box (negative width): dropped
-        _box(40, 40, 5, 5),              # outside_box: dropped
-        _box(28, 2, 10, 6),              # clipped_box: kept, clipped to x1 = 32
-        _box(2, 2, 6, 6, category_id=99),  # unknown_category: dropped
-        _box(10, 10, 8, 8, iscrowd=1),   # crowd_box: kept for evaluation only
-    ]),
+    "boxes.png": (
+        _encoded(seed=7),
+        [
+            _box(float("nan"), 1, 5, 5),  # invalid_box: dropped
+            _box(4, 4, -3, 5),  # empty_box (negative width): dropped
+            _box(40, 40, 5, 5),  # outside_box: dropped
+            _box(28, 2, 10, 6),  # clipped_box: kept, clipped to x1 = 32
+            _box(2, 2, 6, 6, category_id=99),  # unknown_category: dropped
+            _box(10, 10, 8, 8, iscrowd=1),  # crowd_box: kept for evaluation only
+        ],
+    ),
     "crowded.png": (_encoded(seed=8), [_box(x, y, 4, 4) for x in range(0, 28, 7) for y in range(0, 21, 7)]),
 }
 
@@ -65,16 +68,24 @@ def _write(root, cases):
         for box in boxes:
             annotations.append({"id": len(annotations) + 1, "image_id": image_id, **box})
     json_path = root / "instances.json"
-    json_path.write_text(json.dumps({"images": images, "annotations": annotations,
-                                     "categories": [{"id": 1, "name": "thing"}]}))
+    json_path.write_text(
+        json.dumps({"images": images, "annotations": annotations, "categories": [{"id": 1, "name": "thing"}]})
+    )
     return str(json_path)
 
 
 def _config(tmp_path, cases, **overrides):
     json_path = _write(tmp_path, cases)
-    folder = {"dataset.name": "coco_json", "dataset.train_json": json_path, "dataset.train_images": str(tmp_path),
-              "dataset.eval_json": json_path, "dataset.eval_images": str(tmp_path),
-              "input.image_size": (SIZE, SIZE), "input.scale_jitter": (1.0, 1.0), "input.max_boxes": 8}
+    folder = {
+        "dataset.name": "coco_json",
+        "dataset.train_json": json_path,
+        "dataset.train_images": str(tmp_path),
+        "dataset.eval_json": json_path,
+        "dataset.eval_images": str(tmp_path),
+        "input.image_size": (SIZE, SIZE),
+        "input.scale_jitter": (1.0, 1.0),
+        "input.max_boxes": 8,
+    }
     return make_config(tmp_path / "data", **{**folder, **overrides})
 
 
@@ -83,11 +94,20 @@ def test_every_bad_record_is_handled_and_counted(tmp_path):
     split = input_pipeline.prepare_split(config, "eval")
     counts = {k: v for k, v in split.counts.items() if v}
     assert counts == {
-        "images": 13, "annotations": 11 + 6 + 12, "usable_images": 11,
-        "missing_image_file": 1, "unreadable_image": 1,       # skipped images
-        "converted_grayscale": 1, "converted_alpha": 1, "converted_16bit": 1,  # kept, decoded to RGB
-        "invalid_box": 1, "empty_box": 1, "outside_box": 1, "unknown_category": 1,  # dropped boxes
-        "clipped_box": 1, "crowd_box": 1,
+        "images": 13,
+        "annotations": 11 + 6 + 12,
+        "usable_images": 11,
+        "missing_image_file": 1,
+        "unreadable_image": 1,  # skipped images
+        "converted_grayscale": 1,
+        "converted_alpha": 1,
+        "converted_16bit": 1,  # kept, decoded to RGB
+        "invalid_box": 1,
+        "empty_box": 1,
+        "outside_box": 1,
+        "unknown_category": 1,  # dropped boxes
+        "clipped_box": 1,
+        "crowd_box": 1,
     }
     ids = {name: i for i, name in enumerate(CASES, start=1)}
     boxes_record = split.image_ids.tolist().index(ids["boxes.png"])
@@ -102,7 +122,8 @@ def test_every_bad_record_is_handled_and_counted(tmp_path):
     # The truncated JPEG passes conversion (its header is fine) but cannot be decoded: its slot is masked.
     assert ids["truncated.jpg"] not in image_ids[example_mask]
     assert sorted(image_ids[example_mask]) == sorted(
-        ids[n] for n in CASES if n not in ("truncated.jpg", "garbage.jpg", "missing.png"))
+        ids[n] for n in CASES if n not in ("truncated.jpg", "garbage.jpg", "missing.png")
+    )
     assert eval_iter.input_counts.counts["decode_failed"] == 1
     assert eval_iter.input_counts.counts["boxes_truncated"] == 1  # 12 boxes, max_boxes 8
     assert eval_iter.input_counts.examples == 11
@@ -115,7 +136,8 @@ def test_every_bad_record_is_handled_and_counted(tmp_path):
 
     # Training sees the same: the undecodable image is a masked slot, counted.
     train_iter = input_pipeline.create_train_iterator(
-        _config(tmp_path, CASES, global_batch_size=11))  # a batch is one epoch of the 11 records
+        _config(tmp_path, CASES, global_batch_size=11)
+    )  # a batch is one epoch of the 11 records
     for _ in range(2):
         next(train_iter)
     assert train_iter.input_counts.counts["decode_failed"] == 2

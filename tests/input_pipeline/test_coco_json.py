@@ -9,297 +9,329 @@ import pytest
 from PIL import Image
 
 from input_pipeline.dataset_errors import DatasetError
-from input_pipeline.datasets import box_checks
-from input_pipeline.datasets import coco_json
+from input_pipeline.datasets import box_checks, coco_json
 
 
 def _save(path, mode, size, fmt=None):
-  """Writes a tiny image of PIL `mode` and (width, height) `size`; returns its bytes."""
-  width, height = size
-  if mode == "I;16":
-    img = Image.fromarray((np.arange(width * height, dtype=np.uint16) * 997).reshape(height, width))
-  else:
-    rgb = np.random.default_rng(0).integers(0, 256, (height, width, 3), np.uint8)
-    img = Image.fromarray(rgb).convert(mode)
-  img.save(path, fmt)
-  return path.read_bytes()
+    """Writes a tiny image of PIL `mode` and (width, height) `size`; returns its bytes."""
+    width, height = size
+    if mode == "I;16":
+        img = Image.fromarray((np.arange(width * height, dtype=np.uint16) * 997).reshape(height, width))
+    else:
+        rgb = np.random.default_rng(0).integers(0, 256, (height, width, 3), np.uint8)
+        img = Image.fromarray(rgb).convert(mode)
+    img.save(path, fmt)
+    return path.read_bytes()
 
 
 def _write_json(path, images, annotations, categories=({"id": 1, "name": "thing"},)):
-  path.write_text(json.dumps(
-      {"images": list(images), "annotations": list(annotations), "categories": list(categories)}))
-  return str(path)
+    path.write_text(
+        json.dumps({"images": list(images), "annotations": list(annotations), "categories": list(categories)})
+    )
+    return str(path)
 
 
 def _ann(image_id, bbox, category_id=1, **extra):
-  return {"image_id": image_id, "category_id": category_id, "bbox": bbox, **extra}
+    return {"image_id": image_id, "category_id": category_id, "bbox": bbox, **extra}
 
 
 def _read(json_path, image_root, num_threads=2):
-  counts = collections.Counter()
-  examples = list(coco_json.iter_examples(str(json_path), str(image_root), counts, num_threads=num_threads))
-  # Zero entries carry no information; compare the nonzero ones exactly.
-  return examples, dict(+counts)
+    counts = collections.Counter()
+    examples = list(coco_json.iter_examples(str(json_path), str(image_root), counts, num_threads=num_threads))
+    # Zero entries carry no information; compare the nonzero ones exactly.
+    return examples, dict(+counts)
 
 
 def test_reads_folder_with_gapped_category_ids(tmp_path):
-  files = {
-      5: _save(tmp_path / "b.jpg", "RGB", (40, 30)),
-      2: _save(tmp_path / "a.png", "RGB", (20, 10)),
-      9: _save(tmp_path / "neg.jpg", "RGB", (16, 12)),
-  }
-  images = [
-      {"id": 5, "file_name": "b.jpg", "width": 40, "height": 30},
-      {"id": 9, "file_name": "neg.jpg"},  # No size: taken from the header.
-      {"id": 2, "file_name": "a.png", "width": 20, "height": 10},
-  ]
-  categories = [{"id": 12, "name": "dog"}, {"id": 3, "name": "cat"}, {"id": 7, "name": "bird"}]
-  annotations = [
-      _ann(5, [1, 2, 10, 5], 7),
-      _ann(2, [3.5, 1.25, 6, 4], 3),
-      _ann(5, [0, 0, 4, 4], 12, iscrowd=1),
-      _ann(5, [20.5, 10, 8.25, 3], 3, iscrowd=0),
-  ]
-  json_path = _write_json(tmp_path / "instances.json", images, annotations, categories)
+    files = {
+        5: _save(tmp_path / "b.jpg", "RGB", (40, 30)),
+        2: _save(tmp_path / "a.png", "RGB", (20, 10)),
+        9: _save(tmp_path / "neg.jpg", "RGB", (16, 12)),
+    }
+    images = [
+        {"id": 5, "file_name": "b.jpg", "width": 40, "height": 30},
+        {"id": 9, "file_name": "neg.jpg"},  # No size: taken from the header.
+        {"id": 2, "file_name": "a.png", "width": 20, "height": 10},
+    ]
+    categories = [{"id": 12, "name": "dog"}, {"id": 3, "name": "cat"}, {"id": 7, "name": "bird"}]
+    annotations = [
+        _ann(5, [1, 2, 10, 5], 7),
+        _ann(2, [3.5, 1.25, 6, 4], 3),
+        _ann(5, [0, 0, 4, 4], 12, iscrowd=1),
+        _ann(5, [20.5, 10, 8.25, 3], 3, iscrowd=0),
+    ]
+    json_path = _write_json(tmp_path / "instances.json", images, annotations, categories)
 
-  cats = coco_json.read_categories(json_path)
-  assert cats == coco_json.CocoCategories((3, 7, 12), ("cat", "bird", "dog"))
+    cats = coco_json.read_categories(json_path)
+    assert cats == coco_json.CocoCategories((3, 7, 12), ("cat", "bird", "dog"))
 
-  examples, counts = _read(json_path, tmp_path)
-  assert [e.image_id for e in examples] == [2, 5, 9]
-  by_id = {e.image_id: e for e in examples}
-  for image_id, e in by_id.items():
-    assert e.image_bytes == files[image_id]
-  assert [(e.height, e.width) for e in examples] == [(10, 20), (30, 40), (12, 16)]
+    examples, counts = _read(json_path, tmp_path)
+    assert [e.image_id for e in examples] == [2, 5, 9]
+    by_id = {e.image_id: e for e in examples}
+    for image_id, e in by_id.items():
+        assert e.image_bytes == files[image_id]
+    assert [(e.height, e.width) for e in examples] == [(10, 20), (30, 40), (12, 16)]
 
-  e = by_id[2]
-  np.testing.assert_array_equal(e.boxes_yxyx, [[1.25, 3.5, 5.25, 9.5]])
-  np.testing.assert_array_equal(e.labels, [0])
-  np.testing.assert_array_equal(e.is_crowd, [False])
-  e = by_id[5]
-  np.testing.assert_array_equal(e.boxes_yxyx, [[2, 1, 7, 11], [0, 0, 4, 4], [10, 20.5, 13, 28.75]])
-  np.testing.assert_array_equal(e.labels, [1, 2, 0])
-  np.testing.assert_array_equal(e.is_crowd, [False, True, False])
-  e = by_id[9]
-  assert e.boxes_yxyx.shape == (0, 4) and e.labels.shape == (0,) and e.is_crowd.shape == (0,)
-  for e in examples:
-    assert e.boxes_yxyx.dtype == np.float32 and e.labels.dtype == np.int32 and e.is_crowd.dtype == bool
-  # The labels map back to the JSON's ids through category_ids.
-  assert [cats.category_ids[label] for label in by_id[5].labels] == [7, 12, 3]
+    e = by_id[2]
+    np.testing.assert_array_equal(e.boxes_yxyx, [[1.25, 3.5, 5.25, 9.5]])
+    np.testing.assert_array_equal(e.labels, [0])
+    np.testing.assert_array_equal(e.is_crowd, [False])
+    e = by_id[5]
+    np.testing.assert_array_equal(e.boxes_yxyx, [[2, 1, 7, 11], [0, 0, 4, 4], [10, 20.5, 13, 28.75]])
+    np.testing.assert_array_equal(e.labels, [1, 2, 0])
+    np.testing.assert_array_equal(e.is_crowd, [False, True, False])
+    e = by_id[9]
+    assert e.boxes_yxyx.shape == (0, 4) and e.labels.shape == (0,) and e.is_crowd.shape == (0,)
+    for e in examples:
+        assert e.boxes_yxyx.dtype == np.float32 and e.labels.dtype == np.int32 and e.is_crowd.dtype == bool
+    # The labels map back to the JSON's ids through category_ids.
+    assert [cats.category_ids[label] for label in by_id[5].labels] == [7, 12, 3]
 
-  assert counts == {"images": 3, "annotations": 4, "usable_images": 3, "crowd_box": 1, "no_annotations": 1}
+    assert counts == {"images": 3, "annotations": 4, "usable_images": 3, "crowd_box": 1, "no_annotations": 1}
 
 
 @pytest.mark.filterwarnings("error")
 def test_bad_annotations_are_dropped_or_clipped_and_counted(tmp_path):
-  _save(tmp_path / "a.png", "RGB", (20, 10))
-  _save(tmp_path / "nosize.png", "RGB", (8, 6))
-  _save(tmp_path / "alldropped.png", "RGB", (8, 6))
-  images = [
-      {"id": 1, "file_name": "a.png", "width": 20, "height": 10},
-      {"id": 2, "file_name": "nosize.png"},
-      {"id": 3, "file_name": "alldropped.png", "width": 8, "height": 6},
-  ]
-  annotations = [
-      _ann(99, [1, 1, 2, 2]),                      # annotation_unknown_image
-      {"category_id": 1, "bbox": [1, 1, 2, 2]},    # annotation_unknown_image
-      _ann("1", [1, 1, 2, 2]),                     # annotation_unknown_image
-      _ann(1, [1, 1, 2, 2], category_id=5),        # unknown_category
-      {"image_id": 1, "bbox": [1, 1, 2, 2]},       # unknown_category
-      _ann(1, [1, 2, 3]),                          # invalid_box
-      _ann(1, [float("nan"), 1, 2, 2]),            # invalid_box
-      _ann(1, [1, 1, float("inf"), 2]),            # invalid_box
-      {"image_id": 1, "category_id": 1},           # invalid_box
-      _ann(1, ["1", 1, 2, 2]),                     # invalid_box
-      _ann(1, None),                               # invalid_box
-      _ann(1, [0, 0, 10**400, 1]),                 # invalid_box (beyond float range)
-      _ann(1, [1, 1, 0, 2]),                       # empty_box
-      _ann(1, [1, 1, 2, -1]),                      # empty_box
-      _ann(1, [2, 1, 1e-9, 1]),                    # empty_box (in float32)
-      _ann(1, [2, 3, 4, 5]),                       # kept as is
-      _ann(1, [15, 5, 10, 10]),                    # clipped_box
-      _ann(1, [-2, -3, 5, 5], iscrowd=1),          # clipped_box + crowd_box
-      _ann(1, [25, 0, 5, 5]),                      # outside_box
-      _ann(1, [20, 0, 5, 5]),                      # outside_box (touches the edge)
-      _ann(1, [-10, 2, 5, 5]),                     # outside_box
-      _ann(1, [1e308, 0, 1e308, 1]),               # outside_box (no float32 overflow)
-      _ann(2, [4, 3, 10, 10]),                     # clipped_box, by the header's size
-      _ann(3, [1, 1, 0, 1]),                       # empty_box
-      _ann(3, [9, 1, 1, 1]),                       # outside_box
-  ]
-  json_path = _write_json(tmp_path / "instances.json", images, annotations)
+    _save(tmp_path / "a.png", "RGB", (20, 10))
+    _save(tmp_path / "nosize.png", "RGB", (8, 6))
+    _save(tmp_path / "alldropped.png", "RGB", (8, 6))
+    images = [
+        {"id": 1, "file_name": "a.png", "width": 20, "height": 10},
+        {"id": 2, "file_name": "nosize.png"},
+        {"id": 3, "file_name": "alldropped.png", "width": 8, "height": 6},
+    ]
+    annotations = [
+        _ann(99, [1, 1, 2, 2]),  # annotation_unknown_image
+        {"category_id": 1, "bbox": [1, 1, 2, 2]},  # annotation_unknown_image
+        _ann("1", [1, 1, 2, 2]),  # annotation_unknown_image
+        _ann(1, [1, 1, 2, 2], category_id=5),  # unknown_category
+        {"image_id": 1, "bbox": [1, 1, 2, 2]},  # unknown_category
+        _ann(1, [1, 2, 3]),  # invalid_box
+        _ann(1, [float("nan"), 1, 2, 2]),  # invalid_box
+        _ann(1, [1, 1, float("inf"), 2]),  # invalid_box
+        {"image_id": 1, "category_id": 1},  # invalid_box
+        _ann(1, ["1", 1, 2, 2]),  # invalid_box
+        _ann(1, None),  # invalid_box
+        _ann(1, [0, 0, 10**400, 1]),  # invalid_box (beyond float range)
+        _ann(1, [1, 1, 0, 2]),  # empty_box
+        _ann(1, [1, 1, 2, -1]),  # empty_box
+        _ann(1, [2, 1, 1e-9, 1]),  # empty_box (in float32)
+        _ann(1, [2, 3, 4, 5]),  # kept as is
+        _ann(1, [15, 5, 10, 10]),  # clipped_box
+        _ann(1, [-2, -3, 5, 5], iscrowd=1),  # clipped_box + crowd_box
+        _ann(1, [25, 0, 5, 5]),  # outside_box
+        _ann(1, [20, 0, 5, 5]),  # outside_box (touches the edge)
+        _ann(1, [-10, 2, 5, 5]),  # outside_box
+        _ann(1, [1e308, 0, 1e308, 1]),  # outside_box (no float32 overflow)
+        _ann(2, [4, 3, 10, 10]),  # clipped_box, by the header's size
+        _ann(3, [1, 1, 0, 1]),  # empty_box
+        _ann(3, [9, 1, 1, 1]),  # outside_box
+    ]
+    json_path = _write_json(tmp_path / "instances.json", images, annotations)
 
-  examples, counts = _read(json_path, tmp_path)
-  assert [e.image_id for e in examples] == [1, 2, 3]
-  np.testing.assert_array_equal(examples[0].boxes_yxyx, [[3, 2, 8, 6], [5, 15, 10, 20], [0, 0, 2, 3]])
-  np.testing.assert_array_equal(examples[0].labels, [0, 0, 0])
-  np.testing.assert_array_equal(examples[0].is_crowd, [False, False, True])
-  assert (examples[1].height, examples[1].width) == (6, 8)
-  np.testing.assert_array_equal(examples[1].boxes_yxyx, [[3, 4, 6, 8]])
-  assert examples[2].boxes_yxyx.shape == (0, 4)
-  assert counts == {
-      "images": 3, "annotations": len(annotations), "usable_images": 3,
-      "annotation_unknown_image": 3, "unknown_category": 2, "invalid_box": 7, "empty_box": 4,
-      "clipped_box": 3, "outside_box": 5, "crowd_box": 1, "no_annotations": 1,
-  }
+    examples, counts = _read(json_path, tmp_path)
+    assert [e.image_id for e in examples] == [1, 2, 3]
+    np.testing.assert_array_equal(examples[0].boxes_yxyx, [[3, 2, 8, 6], [5, 15, 10, 20], [0, 0, 2, 3]])
+    np.testing.assert_array_equal(examples[0].labels, [0, 0, 0])
+    np.testing.assert_array_equal(examples[0].is_crowd, [False, False, True])
+    assert (examples[1].height, examples[1].width) == (6, 8)
+    np.testing.assert_array_equal(examples[1].boxes_yxyx, [[3, 4, 6, 8]])
+    assert examples[2].boxes_yxyx.shape == (0, 4)
+    assert counts == {
+        "images": 3,
+        "annotations": len(annotations),
+        "usable_images": 3,
+        "annotation_unknown_image": 3,
+        "unknown_category": 2,
+        "invalid_box": 7,
+        "empty_box": 4,
+        "clipped_box": 3,
+        "outside_box": 5,
+        "crowd_box": 1,
+        "no_annotations": 1,
+    }
 
 
 def test_bad_files_are_skipped_and_counted(tmp_path):
-  good = _save(tmp_path / "good.jpg", "RGB", (20, 10))
-  (tmp_path / "garbage.jpg").write_bytes(b"this is not a JPEG" * 10)
-  (tmp_path / "empty.png").write_bytes(b"")
-  _save(tmp_path / "small.png", "RGB", (20, 10))
-  (tmp_path / "adir.jpg").mkdir()
-  images = [
-      {"id": 1, "file_name": "missing.jpg", "width": 20, "height": 10},
-      {"id": 2, "file_name": "garbage.jpg", "width": 20, "height": 10},
-      {"id": 3, "file_name": "empty.png"},
-      {"id": 4, "file_name": "small.png", "width": 30, "height": 10},
-      {"id": 5, "file_name": "small.png", "width": 20, "height": 11},
-      {"id": 6, "file_name": "adir.jpg"},
-      {"id": 7, "file_name": "good.jpg", "width": 20, "height": 10},
-  ]
-  # A skipped image's annotations are not examined: this invalid box is not counted.
-  annotations = [_ann(1, [1, 1]), _ann(4, [1, 1, 2, 2]), _ann(7, [1, 1, 2, 2])]
-  json_path = _write_json(tmp_path / "instances.json", images, annotations)
+    good = _save(tmp_path / "good.jpg", "RGB", (20, 10))
+    (tmp_path / "garbage.jpg").write_bytes(b"this is not a JPEG" * 10)
+    (tmp_path / "empty.png").write_bytes(b"")
+    _save(tmp_path / "small.png", "RGB", (20, 10))
+    (tmp_path / "adir.jpg").mkdir()
+    images = [
+        {"id": 1, "file_name": "missing.jpg", "width": 20, "height": 10},
+        {"id": 2, "file_name": "garbage.jpg", "width": 20, "height": 10},
+        {"id": 3, "file_name": "empty.png"},
+        {"id": 4, "file_name": "small.png", "width": 30, "height": 10},
+        {"id": 5, "file_name": "small.png", "width": 20, "height": 11},
+        {"id": 6, "file_name": "adir.jpg"},
+        {"id": 7, "file_name": "good.jpg", "width": 20, "height": 10},
+    ]
+    # A skipped image's annotations are not examined: this invalid box is not counted.
+    annotations = [_ann(1, [1, 1]), _ann(4, [1, 1, 2, 2]), _ann(7, [1, 1, 2, 2])]
+    json_path = _write_json(tmp_path / "instances.json", images, annotations)
 
-  examples, counts = _read(json_path, tmp_path)
-  assert [e.image_id for e in examples] == [7]
-  assert examples[0].image_bytes == good
-  assert counts == {
-      "images": 7, "annotations": 3, "usable_images": 1,
-      "missing_image_file": 2, "unreadable_image": 2, "size_mismatch": 2,
-  }
+    examples, counts = _read(json_path, tmp_path)
+    assert [e.image_id for e in examples] == [7]
+    assert examples[0].image_bytes == good
+    assert counts == {
+        "images": 7,
+        "annotations": 3,
+        "usable_images": 1,
+        "missing_image_file": 2,
+        "unreadable_image": 2,
+        "size_mismatch": 2,
+    }
 
 
 def test_converted_modes_are_kept_and_counted_once(tmp_path):
-  cases = [  # (file, mode written, format)
-      ("rgb.jpg", "RGB", "JPEG"),
-      ("gray.jpg", "L", "JPEG"),
-      ("bw.png", "1", "PNG"),
-      ("rgba.png", "RGBA", "PNG"),
-      ("la.png", "LA", "PNG"),
-      ("gray16.png", "I;16", "PNG"),
-      ("palette.png", "P", "PNG"),
-      ("cmyk.jpg", "CMYK", "JPEG"),
-  ]
-  images = []
-  for i, (name, mode, fmt) in enumerate(cases):
-    _save(tmp_path / name, mode, (6, 4), fmt)
-    images.append({"id": i, "file_name": name, "width": 6, "height": 4})
-  # The 16-bit case must really be 16-bit on disk, or the test proves nothing.
-  assert Image.open(tmp_path / "gray16.png").mode in ("I;16", "I")
-  json_path = _write_json(tmp_path / "instances.json", images, [_ann(i, [0, 0, 1, 1]) for i in range(len(cases))])
+    cases = [  # (file, mode written, format)
+        ("rgb.jpg", "RGB", "JPEG"),
+        ("gray.jpg", "L", "JPEG"),
+        ("bw.png", "1", "PNG"),
+        ("rgba.png", "RGBA", "PNG"),
+        ("la.png", "LA", "PNG"),
+        ("gray16.png", "I;16", "PNG"),
+        ("palette.png", "P", "PNG"),
+        ("cmyk.jpg", "CMYK", "JPEG"),
+    ]
+    images = []
+    for i, (name, mode, fmt) in enumerate(cases):
+        _save(tmp_path / name, mode, (6, 4), fmt)
+        images.append({"id": i, "file_name": name, "width": 6, "height": 4})
+    # The 16-bit case must really be 16-bit on disk, or the test proves nothing.
+    assert Image.open(tmp_path / "gray16.png").mode in ("I;16", "I")
+    json_path = _write_json(tmp_path / "instances.json", images, [_ann(i, [0, 0, 1, 1]) for i in range(len(cases))])
 
-  examples, counts = _read(json_path, tmp_path)
-  assert [e.image_id for e in examples] == list(range(len(cases)))
-  assert all(len(e.labels) == 1 for e in examples)
-  assert counts == {
-      "images": 8, "annotations": 8, "usable_images": 8,
-      "converted_grayscale": 2, "converted_alpha": 2, "converted_16bit": 1,
-      "converted_palette": 1, "converted_cmyk": 1,
-  }
+    examples, counts = _read(json_path, tmp_path)
+    assert [e.image_id for e in examples] == list(range(len(cases)))
+    assert all(len(e.labels) == 1 for e in examples)
+    assert counts == {
+        "images": 8,
+        "annotations": 8,
+        "usable_images": 8,
+        "converted_grayscale": 2,
+        "converted_alpha": 2,
+        "converted_16bit": 1,
+        "converted_palette": 1,
+        "converted_cmyk": 1,
+    }
 
 
-@pytest.mark.parametrize("mode,image_format,key", [
-    ("I;16", "PNG", "converted_16bit"),
-    ("I;16B", "TIFF", "converted_16bit"),
-    ("I", "PNG", "converted_16bit"),  # What older Pillow reports for 16-bit PNGs.
-    ("I", "TIFF", "converted_grayscale"),
-    ("F", "TIFF", "converted_grayscale"),
-    ("PA", "PNG", "converted_alpha"),
-    ("RGB", "JPEG", None),
-])
+@pytest.mark.parametrize(
+    "mode,image_format,key",
+    [
+        ("I;16", "PNG", "converted_16bit"),
+        ("I;16B", "TIFF", "converted_16bit"),
+        ("I", "PNG", "converted_16bit"),  # What older Pillow reports for 16-bit PNGs.
+        ("I", "TIFF", "converted_grayscale"),
+        ("F", "TIFF", "converted_grayscale"),
+        ("PA", "PNG", "converted_alpha"),
+        ("RGB", "JPEG", None),
+    ],
+)
 def test_conversion_key(mode, image_format, key):
-  assert box_checks.conversion_key(mode, image_format) == key
+    assert box_checks.conversion_key(mode, image_format) == key
 
 
 def _valid_json():
-  return {"images": [{"id": 1, "file_name": "a.png"}], "annotations": [],
-          "categories": [{"id": 1, "name": "thing"}]}
+    return {"images": [{"id": 1, "file_name": "a.png"}], "annotations": [], "categories": [{"id": 1, "name": "thing"}]}
 
 
-@pytest.mark.parametrize("case", [
-    "missing_json", "invalid_json", "not_an_object", "no_images", "no_annotations", "no_categories",
-    "images_not_list", "duplicate_image_id", "duplicate_category_id", "empty_categories",
-    "image_root_missing", "image_root_is_file", "bad_image_size",
-])
+@pytest.mark.parametrize(
+    "case",
+    [
+        "missing_json",
+        "invalid_json",
+        "not_an_object",
+        "no_images",
+        "no_annotations",
+        "no_categories",
+        "images_not_list",
+        "duplicate_image_id",
+        "duplicate_category_id",
+        "empty_categories",
+        "image_root_missing",
+        "image_root_is_file",
+        "bad_image_size",
+    ],
+)
 def test_dataset_errors(tmp_path, case):
-  json_path = tmp_path / "instances.json"
-  image_root = tmp_path
-  data = _valid_json()
-  named = json_path
-  if case == "invalid_json":
-    json_path.write_text('{"images": [')
-  elif case == "not_an_object":
-    json_path.write_text("[]")
-  elif case == "missing_json":
-    pass
-  else:
-    if case.startswith("no_"):
-      del data[case[3:]]
-    elif case == "images_not_list":
-      data["images"] = {"1": "a.png"}
-    elif case == "duplicate_image_id":
-      data["images"].append({"id": 1, "file_name": "b.png"})
-    elif case == "duplicate_category_id":
-      data["categories"].append({"id": 1, "name": "other"})
-    elif case == "empty_categories":
-      data["categories"] = []
-    elif case == "image_root_missing":
-      image_root = named = tmp_path / "no_such_dir"
-    elif case == "image_root_is_file":
-      image_root = named = tmp_path / "file"
-      image_root.write_text("")
-    elif case == "bad_image_size":
-      data["images"][0]["width"] = 0
-    json_path.write_text(json.dumps(data))
+    json_path = tmp_path / "instances.json"
+    image_root = tmp_path
+    data = _valid_json()
+    named = json_path
+    if case == "invalid_json":
+        json_path.write_text('{"images": [')
+    elif case == "not_an_object":
+        json_path.write_text("[]")
+    elif case == "missing_json":
+        pass
+    else:
+        if case.startswith("no_"):
+            del data[case[3:]]
+        elif case == "images_not_list":
+            data["images"] = {"1": "a.png"}
+        elif case == "duplicate_image_id":
+            data["images"].append({"id": 1, "file_name": "b.png"})
+        elif case == "duplicate_category_id":
+            data["categories"].append({"id": 1, "name": "other"})
+        elif case == "empty_categories":
+            data["categories"] = []
+        elif case == "image_root_missing":
+            image_root = named = tmp_path / "no_such_dir"
+        elif case == "image_root_is_file":
+            image_root = named = tmp_path / "file"
+            image_root.write_text("")
+        elif case == "bad_image_size":
+            data["images"][0]["width"] = 0
+        json_path.write_text(json.dumps(data))
 
-  # Raised when called, before any iteration: a bad config fails at startup.
-  with pytest.raises(DatasetError) as info:
-    coco_json.iter_examples(str(json_path), str(image_root), collections.Counter())
-  message = str(info.value)
-  assert str(named) in message and "\n" not in message
-  assert isinstance(info.value, ValueError)
-  if not case.startswith("image_root") and case not in ("duplicate_image_id", "bad_image_size"):
-    # read_categories checks the file and its lists, not the images.
-    with pytest.raises(DatasetError, match="instances.json"):
-      coco_json.read_categories(str(json_path))
+    # Raised when called, before any iteration: a bad config fails at startup.
+    with pytest.raises(DatasetError) as info:
+        coco_json.iter_examples(str(json_path), str(image_root), collections.Counter())
+    message = str(info.value)
+    assert str(named) in message and "\n" not in message
+    assert isinstance(info.value, ValueError)
+    if not case.startswith("image_root") and case not in ("duplicate_image_id", "bad_image_size"):
+        # read_categories checks the file and its lists, not the images.
+        with pytest.raises(DatasetError, match="instances.json"):
+            coco_json.read_categories(str(json_path))
 
 
 def test_independent_of_num_threads(tmp_path, monkeypatch):
-  rng = np.random.default_rng(1)
-  images, annotations = [], []
-  for image_id in rng.permutation(np.arange(100, 130)).tolist():
-    width, height = rng.integers(4, 24, 2).tolist()
-    name = f"{image_id}.png"
-    if image_id % 7:  # Every 7th file is missing.
-      _save(tmp_path / name, "RGB", (width, height))
-    images.append({"id": image_id, "file_name": name, "width": width, "height": height})
-    for _ in range(image_id % 3):
-      annotations.append(_ann(image_id, rng.uniform(-5, 20, 4).tolist()))
-  json_path = _write_json(tmp_path / "instances.json", images, annotations)
+    rng = np.random.default_rng(1)
+    images, annotations = [], []
+    for image_id in rng.permutation(np.arange(100, 130)).tolist():
+        width, height = rng.integers(4, 24, 2).tolist()
+        name = f"{image_id}.png"
+        if image_id % 7:  # Every 7th file is missing.
+            _save(tmp_path / name, "RGB", (width, height))
+        images.append({"id": image_id, "file_name": name, "width": width, "height": height})
+        for _ in range(image_id % 3):
+            annotations.append(_ann(image_id, rng.uniform(-5, 20, 4).tolist()))
+    json_path = _write_json(tmp_path / "instances.json", images, annotations)
 
-  # Low image ids take longest and the window is smaller than the dataset, so
-  # yielding in completion order instead of image order would show up.
-  read_image = coco_json._read_image
+    # Low image ids take longest and the window is smaller than the dataset, so
+    # yielding in completion order instead of image order would show up.
+    read_image = coco_json._read_image
 
-  def slow_read_image(path):
-    image_id = int(path.rsplit("/", 1)[1].split(".")[0])
-    time.sleep(0.001 * ((130 - image_id) % 10))
-    return read_image(path)
+    def slow_read_image(path):
+        image_id = int(path.rsplit("/", 1)[1].split(".")[0])
+        time.sleep(0.001 * ((130 - image_id) % 10))
+        return read_image(path)
 
-  monkeypatch.setattr(coco_json, "_read_image", slow_read_image)
-  monkeypatch.setattr(coco_json, "_MAX_IN_FLIGHT", 8)
-  results = [_read(json_path, tmp_path, num_threads=n) for n in (1, 4)]
-  (examples1, counts1), (examples4, counts4) = results
-  ids = [e.image_id for e in examples1]
-  assert ids == sorted(i for i in range(100, 130) if i % 7)
-  assert counts1 == counts4 and counts1["missing_image_file"] == 4
-  assert len(examples1) == len(examples4)
-  for a, b in zip(examples1, examples4):
-    assert a.image_id == b.image_id and a.image_bytes == b.image_bytes
-    assert (a.height, a.width) == (b.height, b.width)
-    np.testing.assert_array_equal(a.boxes_yxyx, b.boxes_yxyx)
-    np.testing.assert_array_equal(a.labels, b.labels)
-    np.testing.assert_array_equal(a.is_crowd, b.is_crowd)
+    monkeypatch.setattr(coco_json, "_read_image", slow_read_image)
+    monkeypatch.setattr(coco_json, "_MAX_IN_FLIGHT", 8)
+    results = [_read(json_path, tmp_path, num_threads=n) for n in (1, 4)]
+    (examples1, counts1), (examples4, counts4) = results
+    ids = [e.image_id for e in examples1]
+    assert ids == sorted(i for i in range(100, 130) if i % 7)
+    assert counts1 == counts4 and counts1["missing_image_file"] == 4
+    assert len(examples1) == len(examples4)
+    for a, b in zip(examples1, examples4):
+        assert a.image_id == b.image_id and a.image_bytes == b.image_bytes
+        assert (a.height, a.width) == (b.height, b.width)
+        np.testing.assert_array_equal(a.boxes_yxyx, b.boxes_yxyx)
+        np.testing.assert_array_equal(a.labels, b.labels)
+        np.testing.assert_array_equal(a.is_crowd, b.is_crowd)

@@ -9,232 +9,223 @@ import pytest
 import input_pipeline
 from input_pipeline import pipeline
 from input_pipeline.datasets import synthetic_shapes as ss
-
 from tests.helpers.pipeline_config import MAX_BOXES, N_EVAL, N_TRAIN, NET, SIZE, make_config
 
 
 @pytest.fixture(scope="session")
 def data_dir(tmp_path_factory):
-  path = tmp_path_factory.mktemp("data")
-  input_pipeline.get_dataset_info(make_config(path))  # Prepare once per session.
-  return path
+    path = tmp_path_factory.mktemp("data")
+    input_pipeline.get_dataset_info(make_config(path))  # Prepare once per session.
+    return path
 
 
 def _take(iterator, n):
-  return [next(iterator) for _ in range(n)]
+    return [next(iterator) for _ in range(n)]
 
 
 def test_train_batch_shapes_and_dtypes(data_dir):
-  batch = next(input_pipeline.create_train_iterator(make_config(data_dir)))
-  expected = {
-      "image": ((8, *NET, 3), np.float32),
-      "boxes": ((8, MAX_BOXES, 4), np.float32),
-      "labels": ((8, MAX_BOXES), np.int32),
-      "boxes_mask": ((8, MAX_BOXES), np.bool_),
-      "image_id": ((8,), np.int32),
-      "scale": ((8,), np.float32),
-      "original_size": ((8, 2), np.int32),
-      "example_mask": ((8,), np.bool_),
-  }
-  assert set(batch) == set(expected)
-  for key, (shape, dtype) in expected.items():
-    assert batch[key].shape == shape, key
-    assert batch[key].dtype == dtype, key
-  assert batch["example_mask"].all()
-  assert batch["boxes_mask"].any(1).all()  # Every image keeps an object.
-  labels, mask = batch["labels"], batch["boxes_mask"]
-  assert ((labels >= 0) == mask).all() and labels.max() < 4
-  boxes = batch["boxes"][mask]
-  assert (boxes[:, 2:] - boxes[:, :2] >= 2.0).all()  # min_box_size
-  assert boxes[:, [0, 2]].max() <= NET[0] and boxes[:, [1, 3]].max() <= NET[1]
-  assert set(batch["image_id"].tolist()) <= set(range(1, N_TRAIN + 1))
-  np.testing.assert_array_equal(batch["original_size"], SIZE)
-  # Each example draws its own jitter factor: fit (0.75) x [0.8, 1.25].
-  assert len(set(batch["scale"].tolist())) == 8
-  assert (batch["scale"] >= 0.75 * 0.8 - 1e-6).all()
-  assert (batch["scale"] <= 0.75 * 1.25 + 1e-6).all()
-  # Normalized: roughly zero-mean, unit-scale pixels.
-  assert abs(batch["image"].mean()) < 1.0 and 0.2 < batch["image"].std() < 2.0
+    batch = next(input_pipeline.create_train_iterator(make_config(data_dir)))
+    expected = {
+        "image": ((8, *NET, 3), np.float32),
+        "boxes": ((8, MAX_BOXES, 4), np.float32),
+        "labels": ((8, MAX_BOXES), np.int32),
+        "boxes_mask": ((8, MAX_BOXES), np.bool_),
+        "image_id": ((8,), np.int32),
+        "scale": ((8,), np.float32),
+        "original_size": ((8, 2), np.int32),
+        "example_mask": ((8,), np.bool_),
+    }
+    assert set(batch) == set(expected)
+    for key, (shape, dtype) in expected.items():
+        assert batch[key].shape == shape, key
+        assert batch[key].dtype == dtype, key
+    assert batch["example_mask"].all()
+    assert batch["boxes_mask"].any(1).all()  # Every image keeps an object.
+    labels, mask = batch["labels"], batch["boxes_mask"]
+    assert ((labels >= 0) == mask).all() and labels.max() < 4
+    boxes = batch["boxes"][mask]
+    assert (boxes[:, 2:] - boxes[:, :2] >= 2.0).all()  # min_box_size
+    assert boxes[:, [0, 2]].max() <= NET[0] and boxes[:, [1, 3]].max() <= NET[1]
+    assert set(batch["image_id"].tolist()) <= set(range(1, N_TRAIN + 1))
+    np.testing.assert_array_equal(batch["original_size"], SIZE)
+    # Each example draws its own jitter factor: fit (0.75) x [0.8, 1.25].
+    assert len(set(batch["scale"].tolist())) == 8
+    assert (batch["scale"] >= 0.75 * 0.8 - 1e-6).all()
+    assert (batch["scale"] <= 0.75 * 1.25 + 1e-6).all()
+    # Normalized: roughly zero-mean, unit-scale pixels.
+    assert abs(batch["image"].mean()) < 1.0 and 0.2 < batch["image"].std() < 2.0
 
 
 def test_train_is_deterministic_per_seed(data_dir):
-  config = make_config(data_dir)
-  a = _take(input_pipeline.create_train_iterator(config), 3)
-  b = _take(input_pipeline.create_train_iterator(config), 3)
-  for x, y in zip(a, b):
-    for key in x:
-      np.testing.assert_array_equal(x[key], y[key], err_msg=key)
-  c = _take(input_pipeline.create_train_iterator(
-      make_config(data_dir, seed=1)), 3)
-  assert not all(np.array_equal(x["image_id"], y["image_id"])
-                 for x, y in zip(a, c))
-  assert not np.array_equal(a[0]["image"], c[0]["image"])
-  # Epochs: the stream repeats forever and visits every example each epoch.
-  it = input_pipeline.create_train_iterator(config)
-  ids = np.concatenate([b["image_id"] for b in _take(it, 2 * N_TRAIN // 8)])
-  counts = collections.Counter(ids.tolist())
-  assert set(counts) == set(range(1, N_TRAIN + 1))
-  assert set(counts.values()) == {2}
+    config = make_config(data_dir)
+    a = _take(input_pipeline.create_train_iterator(config), 3)
+    b = _take(input_pipeline.create_train_iterator(config), 3)
+    for x, y in zip(a, b):
+        for key in x:
+            np.testing.assert_array_equal(x[key], y[key], err_msg=key)
+    c = _take(input_pipeline.create_train_iterator(make_config(data_dir, seed=1)), 3)
+    assert not all(np.array_equal(x["image_id"], y["image_id"]) for x, y in zip(a, c))
+    assert not np.array_equal(a[0]["image"], c[0]["image"])
+    # Epochs: the stream repeats forever and visits every example each epoch.
+    it = input_pipeline.create_train_iterator(config)
+    ids = np.concatenate([b["image_id"] for b in _take(it, 2 * N_TRAIN // 8)])
+    counts = collections.Counter(ids.tolist())
+    assert set(counts) == set(range(1, N_TRAIN + 1))
+    assert set(counts.values()) == {2}
 
 
 def test_train_resumes_at_position(data_dir):
-  """Stopping after 9 batches and resuming at the recorded position continues the same stream."""
-  config = make_config(data_dir)
-  full = _take(input_pipeline.create_train_iterator(config), 12)
-  stopped = input_pipeline.create_train_iterator(config)
-  _take(stopped, 9)
-  assert stopped.position == 9 * 8
-  resumed = _take(input_pipeline.create_train_iterator(
-      config, start_position=stopped.position), 3)
-  for got, want in zip(resumed, full[9:]):
-    for key in want:
-      np.testing.assert_array_equal(got[key], want[key], err_msg=key)
+    """Stopping after 9 batches and resuming at the recorded position continues the same stream."""
+    config = make_config(data_dir)
+    full = _take(input_pipeline.create_train_iterator(config), 12)
+    stopped = input_pipeline.create_train_iterator(config)
+    _take(stopped, 9)
+    assert stopped.position == 9 * 8
+    resumed = _take(input_pipeline.create_train_iterator(config, start_position=stopped.position), 3)
+    for got, want in zip(resumed, full[9:]):
+        for key in want:
+            np.testing.assert_array_equal(got[key], want[key], err_msg=key)
 
 
 @pytest.mark.parametrize("process_count", [2, 4])
 def test_global_batches_do_not_depend_on_process_count(data_dir, process_count):
-  """Each process's rows, side by side, are exactly the one-process global batch."""
-  config = make_config(data_dir)
-  single = _take(input_pipeline.create_train_iterator(config), 3)
-  local = 8 // process_count
-  parts = [_take(pipeline.train_dataset(config, first_row=k * local, process_count=process_count)
-                 .as_numpy_iterator(), 3) for k in range(process_count)]
-  for step, want in enumerate(single):
-    for key in want:
-      got = np.concatenate([part[step][key] for part in parts])
-      np.testing.assert_array_equal(got, want[key], err_msg=key)
+    """Each process's rows, side by side, are exactly the one-process global batch."""
+    config = make_config(data_dir)
+    single = _take(input_pipeline.create_train_iterator(config), 3)
+    local = 8 // process_count
+    parts = [
+        _take(pipeline.train_dataset(config, first_row=k * local, process_count=process_count).as_numpy_iterator(), 3)
+        for k in range(process_count)
+    ]
+    for step, want in enumerate(single):
+        for key in want:
+            got = np.concatenate([part[step][key] for part in parts])
+            np.testing.assert_array_equal(got, want[key], err_msg=key)
 
 
 def test_negatives_can_be_left_out(data_dir):
-  config = make_config(data_dir)
-  split = input_pipeline.prepare_split(config, "train")
-  assert (split.num_training_boxes() > 0).all()  # Synthetic images all have objects.
-  np.testing.assert_array_equal(pipeline.training_record_ids(config, split),
-                                np.arange(N_TRAIN))
+    config = make_config(data_dir)
+    split = input_pipeline.prepare_split(config, "train")
+    assert (split.num_training_boxes() > 0).all()  # Synthetic images all have objects.
+    np.testing.assert_array_equal(pipeline.training_record_ids(config, split), np.arange(N_TRAIN))
 
 
 def test_eval_visits_every_image_once(data_dir):
-  config = make_config(data_dir)  # 20 examples, batch 8 -> 3 batches
-  batches, num_batches, counts = input_pipeline.create_eval_iterator(config)
-  batches = list(batches)
-  assert counts.examples == N_EVAL and counts.counts["decode_failed"] == 0
-  assert num_batches == 3 and len(batches) == 3
-  ids = np.concatenate([b["image_id"] for b in batches])
-  mask = np.concatenate([b["example_mask"] for b in batches])
-  assert sorted(ids[mask].tolist()) == list(range(1, N_EVAL + 1))
-  assert mask.sum() == N_EVAL
-  assert (ids[~mask] == -1).all()
-  for b in batches:
-    pad = ~b["example_mask"]
-    assert (b["labels"][pad] == -1).all() and not b["boxes_mask"][pad].any()
-    assert (b["scale"] > 0).all()
-    assert b["image"].shape == (8, *NET, 3)
+    config = make_config(data_dir)  # 20 examples, batch 8 -> 3 batches
+    batches, num_batches, counts = input_pipeline.create_eval_iterator(config)
+    batches = list(batches)
+    assert counts.examples == N_EVAL and counts.counts["decode_failed"] == 0
+    assert num_batches == 3 and len(batches) == 3
+    ids = np.concatenate([b["image_id"] for b in batches])
+    mask = np.concatenate([b["example_mask"] for b in batches])
+    assert sorted(ids[mask].tolist()) == list(range(1, N_EVAL + 1))
+    assert mask.sum() == N_EVAL
+    assert (ids[~mask] == -1).all()
+    for b in batches:
+        pad = ~b["example_mask"]
+        assert (b["labels"][pad] == -1).all() and not b["boxes_mask"][pad].any()
+        assert (b["scale"] > 0).all()
+        assert b["image"].shape == (8, *NET, 3)
 
 
 @pytest.mark.parametrize("process_count,global_batch", [(2, 6), (3, 6), (4, 4)])
 def test_eval_shards_cover_split_once(data_dir, process_count, global_batch):
-  config = make_config(data_dir, global_batch_size=global_batch)
-  seen, steps = [], set()
-  for index in range(process_count):
-    ds, num_batches = pipeline.eval_dataset(
-        config, first_row=index * (global_batch // process_count),
-        process_count=process_count)
-    batches = list(ds.as_numpy_iterator())
-    steps.add((num_batches, len(batches)))
-    for b in batches:
-      assert b["image_id"].shape == (global_batch // process_count,)
-      seen.extend(b["image_id"][b["example_mask"]].tolist())
-  expected_steps = -(-N_EVAL // global_batch)
-  assert steps == {(expected_steps, expected_steps)}  # Same on every process.
-  assert sorted(seen) == list(range(1, N_EVAL + 1))
+    config = make_config(data_dir, global_batch_size=global_batch)
+    seen, steps = [], set()
+    for index in range(process_count):
+        ds, num_batches = pipeline.eval_dataset(
+            config, first_row=index * (global_batch // process_count), process_count=process_count
+        )
+        batches = list(ds.as_numpy_iterator())
+        steps.add((num_batches, len(batches)))
+        for b in batches:
+            assert b["image_id"].shape == (global_batch // process_count,)
+            seen.extend(b["image_id"][b["example_mask"]].tolist())
+    expected_steps = -(-N_EVAL // global_batch)
+    assert steps == {(expected_steps, expected_steps)}  # Same on every process.
+    assert sorted(seen) == list(range(1, N_EVAL + 1))
 
 
 def test_coco_ground_truth_matches_dataset(data_dir):
-  config = make_config(data_dir)
-  gt = input_pipeline.coco_ground_truth(config)
-  assert gt["categories"] == [{"id": i + 1, "name": n}
-                              for i, n in enumerate(ss.CLASS_NAMES)]
-  assert sorted(im["id"] for im in gt["images"]) == list(range(1, N_EVAL + 1))
-  assert all(im["height"] == SIZE and im["width"] == SIZE
-             for im in gt["images"])
-  ann_ids = [a["id"] for a in gt["annotations"]]
-  assert sorted(ann_ids) == list(range(1, len(ann_ids) + 1))
-  by_image = collections.defaultdict(list)
-  for a in gt["annotations"]:
-    by_image[a["image_id"]].append(a)
-  for image_id in range(1, N_EVAL + 1):
-    ex = ss.generate_example("validation", image_id - 1, SIZE)
-    anns = by_image[image_id]
-    assert [a["category_id"] for a in anns] == (ex.labels + 1).tolist()
-    for a, (y0, x0, y1, x1) in zip(anns, ex.boxes):
-      np.testing.assert_allclose(a["bbox"], [x0, y0, x1 - x0, y1 - y0])
-      assert a["area"] == pytest.approx((x1 - x0) * (y1 - y0))
-      assert a["iscrowd"] == 0
+    config = make_config(data_dir)
+    gt = input_pipeline.coco_ground_truth(config)
+    assert gt["categories"] == [{"id": i + 1, "name": n} for i, n in enumerate(ss.CLASS_NAMES)]
+    assert sorted(im["id"] for im in gt["images"]) == list(range(1, N_EVAL + 1))
+    assert all(im["height"] == SIZE and im["width"] == SIZE for im in gt["images"])
+    ann_ids = [a["id"] for a in gt["annotations"]]
+    assert sorted(ann_ids) == list(range(1, len(ann_ids) + 1))
+    by_image = collections.defaultdict(list)
+    for a in gt["annotations"]:
+        by_image[a["image_id"]].append(a)
+    for image_id in range(1, N_EVAL + 1):
+        ex = ss.generate_example("validation", image_id - 1, SIZE)
+        anns = by_image[image_id]
+        assert [a["category_id"] for a in anns] == (ex.labels + 1).tolist()
+        for a, (y0, x0, y1, x1) in zip(anns, ex.boxes):
+            np.testing.assert_allclose(a["bbox"], [x0, y0, x1 - x0, y1 - y0])
+            assert a["area"] == pytest.approx((x1 - x0) * (y1 - y0))
+            assert a["iscrowd"] == 0
 
 
 def test_eval_boxes_map_back_to_ground_truth(data_dir):
-  config = make_config(data_dir)
-  gt = input_pipeline.coco_ground_truth(config)
-  by_image = collections.defaultdict(list)
-  for a in gt["annotations"]:
-    by_image[a["image_id"]].append(a["bbox"])
-  checked = 0
-  batches = input_pipeline.create_eval_iterator(config).batches
-  for b in batches:
-    for i in np.flatnonzero(b["example_mask"]):
-      boxes = b["boxes"][i][b["boxes_mask"][i]] / b["scale"][i]
-      xywh = np.stack([boxes[:, 1], boxes[:, 0], boxes[:, 3] - boxes[:, 1],
-                       boxes[:, 2] - boxes[:, 0]], -1)
-      np.testing.assert_allclose(xywh, by_image[int(b["image_id"][i])],
-                                 atol=1e-3)
-      # Fits the network input: 64 px -> min(48/64, 56/64).
-      assert b["scale"][i] == pytest.approx(0.75)
-      checked += 1
-  assert checked == N_EVAL
+    config = make_config(data_dir)
+    gt = input_pipeline.coco_ground_truth(config)
+    by_image = collections.defaultdict(list)
+    for a in gt["annotations"]:
+        by_image[a["image_id"]].append(a["bbox"])
+    checked = 0
+    batches = input_pipeline.create_eval_iterator(config).batches
+    for b in batches:
+        for i in np.flatnonzero(b["example_mask"]):
+            boxes = b["boxes"][i][b["boxes_mask"][i]] / b["scale"][i]
+            xywh = np.stack([boxes[:, 1], boxes[:, 0], boxes[:, 3] - boxes[:, 1], boxes[:, 2] - boxes[:, 0]], -1)
+            np.testing.assert_allclose(xywh, by_image[int(b["image_id"][i])], atol=1e-3)
+            # Fits the network input: 64 px -> min(48/64, 56/64).
+            assert b["scale"][i] == pytest.approx(0.75)
+            checked += 1
+    assert checked == N_EVAL
 
 
 def test_dataset_info(data_dir):
-  info = input_pipeline.get_dataset_info(make_config(data_dir))
-  assert info.name == "synthetic_shapes" and info.num_classes == 4
-  assert info.class_names == ss.CLASS_NAMES
-  assert info.label_to_category_id == (1, 2, 3, 4)
-  assert info.num_eval_examples == N_EVAL
+    info = input_pipeline.get_dataset_info(make_config(data_dir))
+    assert info.name == "synthetic_shapes" and info.num_classes == 4
+    assert info.class_names == ss.CLASS_NAMES
+    assert info.label_to_category_id == (1, 2, 3, 4)
+    assert info.num_eval_examples == N_EVAL
 
 
 def test_unknown_dataset_is_an_error(data_dir):
-  config = make_config(data_dir, **{"dataset.name": "imagenette"})
-  with pytest.raises(input_pipeline.DatasetError,
-                     match="synthetic_shapes.*coco_json.*coco/2017"):
-    input_pipeline.get_dataset_info(config)
-  with pytest.raises(input_pipeline.DatasetError, match="imagenette"):
-    input_pipeline.create_train_iterator(config)
+    config = make_config(data_dir, **{"dataset.name": "imagenette"})
+    with pytest.raises(input_pipeline.DatasetError, match="synthetic_shapes.*coco_json.*coco/2017"):
+        input_pipeline.get_dataset_info(config)
+    with pytest.raises(input_pipeline.DatasetError, match="imagenette"):
+        input_pipeline.create_train_iterator(config)
 
 
 def test_indivisible_global_batch_is_an_error(data_dir):
-  config = make_config(data_dir, global_batch_size=6)
-  with pytest.raises(input_pipeline.DatasetError, match="global_batch_size 6"):
-    pipeline.train_dataset(config, process_count=4)
-  with pytest.raises(input_pipeline.DatasetError):
-    pipeline.eval_dataset(config, process_count=4)
-  assert pipeline.local_batch_size(config, 3) == 2
+    config = make_config(data_dir, global_batch_size=6)
+    with pytest.raises(input_pipeline.DatasetError, match="global_batch_size 6"):
+        pipeline.train_dataset(config, process_count=4)
+    with pytest.raises(input_pipeline.DatasetError):
+        pipeline.eval_dataset(config, process_count=4)
+    assert pipeline.local_batch_size(config, 3) == 2
 
 
 def test_missing_coco_is_an_error(tmp_path):
-  config = make_config(tmp_path, **{"dataset.name": "coco/2017"})
-  with pytest.raises(input_pipeline.DatasetError) as err:
-    input_pipeline.get_dataset_info(config)
-  message = str(err.value)
-  assert "\n" not in message
-  assert f"cannot read split 'train' of coco/2017 from {tmp_path}" in message
-  assert f"tfds build coco/2017 --data_dir={tmp_path}" in message
-  assert "--config.dataset.data_dir" in message
-  assert list(tmp_path.iterdir()) == []  # Nothing was downloaded or created.
+    config = make_config(tmp_path, **{"dataset.name": "coco/2017"})
+    with pytest.raises(input_pipeline.DatasetError) as err:
+        input_pipeline.get_dataset_info(config)
+    message = str(err.value)
+    assert "\n" not in message
+    assert f"cannot read split 'train' of coco/2017 from {tmp_path}" in message
+    assert f"tfds build coco/2017 --data_dir={tmp_path}" in message
+    assert "--config.dataset.data_dir" in message
+    assert list(tmp_path.iterdir()) == []  # Nothing was downloaded or created.
 
 
 def test_missing_data_dir_parent_is_an_error(tmp_path):
-  missing = tmp_path / "no" / "such" / "dir"
-  config = make_config(missing)
-  parent = re.escape(str(tmp_path / "no" / "such"))
-  with pytest.raises(input_pipeline.DatasetError,
-                     match=f"{parent} does not exist"):
-    input_pipeline.create_train_iterator(config)
+    missing = tmp_path / "no" / "such" / "dir"
+    config = make_config(missing)
+    parent = re.escape(str(tmp_path / "no" / "such"))
+    with pytest.raises(input_pipeline.DatasetError, match=f"{parent} does not exist"):
+        input_pipeline.create_train_iterator(config)

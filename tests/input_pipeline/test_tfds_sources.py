@@ -34,15 +34,25 @@ def _fake_examples(name, split):
             ignore[0] = True
         objects = {"bbox": normalized, "label": labels.astype(np.int64)}
         if name == "coco":
-            objects.update(is_crowd=ignore, area=np.ones(len(labels), np.int64),
-                           id=np.arange(len(labels), dtype=np.int64))
-            examples.append({"image": image, "image/filename": f"{index}.jpg", "image/id": 1000 + index,
-                             "objects": objects})
+            objects.update(
+                is_crowd=ignore, area=np.ones(len(labels), np.int64), id=np.arange(len(labels), dtype=np.int64)
+            )
+            examples.append(
+                {"image": image, "image/filename": f"{index}.jpg", "image/id": 1000 + index, "objects": objects}
+            )
         else:
-            objects.update(is_difficult=ignore, is_truncated=np.zeros(len(labels), bool),
-                           pose=np.zeros(len(labels), np.int64))
-            examples.append({"image": image, "image/filename": f"{index}.jpg", "objects": objects,
-                             "labels": labels.astype(np.int64), "labels_no_difficult": labels[~ignore].astype(np.int64)})
+            objects.update(
+                is_difficult=ignore, is_truncated=np.zeros(len(labels), bool), pose=np.zeros(len(labels), np.int64)
+            )
+            examples.append(
+                {
+                    "image": image,
+                    "image/filename": f"{index}.jpg",
+                    "objects": objects,
+                    "labels": labels.astype(np.int64),
+                    "labels_no_difficult": labels[~ignore].astype(np.int64),
+                }
+            )
     return examples
 
 
@@ -51,13 +61,16 @@ def _as_dataset(self, split, decoders=None, read_config=None, **kwargs):
     features = self.info.features
     serialized = [features.serialize_example(ex) for ex in _fake_examples(self.name, split)]
     return tf.data.Dataset.from_tensor_slices(serialized).map(
-        lambda s: features.deserialize_example(s, decoders=decoders))
+        lambda s: features.deserialize_example(s, decoders=decoders)
+    )
 
 
 @pytest.mark.parametrize("name", ["coco/2017", "voc/2007"])
 def test_tfds_dataset_reads_through_the_prepared_split(name, tmp_path):
-    config = make_config(tmp_path, **{"dataset.name": name, "dataset.eval_split": "validation",
-                                      "dataset.cache_dir": str(tmp_path / "prepared")})
+    config = make_config(
+        tmp_path,
+        **{"dataset.name": name, "dataset.eval_split": "validation", "dataset.cache_dir": str(tmp_path / "prepared")},
+    )
     expected = _fake_examples(name.split("/")[0], "validation")
     with tfds.testing.mock_data(policy=tfds.testing.MockPolicy.USE_CODE, as_dataset_fn=_as_dataset):
         info = input_pipeline.get_dataset_info(config)
@@ -79,9 +92,10 @@ def test_tfds_dataset_reads_through_the_prepared_split(name, tmp_path):
     assert split.counts["crowd_box"] == NUM // 2  # COCO crowd / VOC difficult: kept as ignore regions
     # Boxes back in pixels, labels unchanged; ignore regions flagged for evaluation.
     first = expected[0]["objects"]
-    np.testing.assert_allclose(split.boxes_yxyx[:len(first["label"])],
-                               first["bbox"] * [HEIGHT, WIDTH, HEIGHT, WIDTH], atol=1e-3)
-    np.testing.assert_array_equal(split.labels[:len(first["label"])], first["label"])
+    np.testing.assert_allclose(
+        split.boxes_yxyx[: len(first["label"])], first["bbox"] * [HEIGHT, WIDTH, HEIGHT, WIDTH], atol=1e-3
+    )
+    np.testing.assert_array_equal(split.labels[: len(first["label"])], first["label"])
     crowd = [a for a in ground_truth["annotations"] if a["iscrowd"]]
     assert len(crowd) == NUM // 2
     category_ids = datasets.COCO_CATEGORY_IDS if is_coco else tuple(range(1, 21))

@@ -25,8 +25,11 @@ from tests.helpers.tiny_config import make_config
 @pytest.fixture(scope="module")
 def compilation_cache_dir(tmp_path_factory):
     """A persistent compilation cache for this module only (restored afterwards)."""
-    names = ("jax_compilation_cache_dir", "jax_persistent_cache_min_compile_time_secs",
-             "jax_persistent_cache_min_entry_size_bytes")
+    names = (
+        "jax_compilation_cache_dir",
+        "jax_persistent_cache_min_compile_time_secs",
+        "jax_persistent_cache_min_entry_size_bytes",
+    )
     saved = {name: getattr(jax.config, name) for name in names}
     cache_dir = once_per_run(tmp_path_factory, "compilation_cache", lambda directory: None)
     jax.config.update("jax_compilation_cache_dir", str(cache_dir))

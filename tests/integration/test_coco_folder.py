@@ -6,9 +6,9 @@ import numpy as np
 import pytest
 
 import input_pipeline
-from tests.helpers.coco_folders import CATEGORY_IDS, coco_json_overrides, write_folder
 from detector.serving import coco_evaluation
 from detector.training import trainer
+from tests.helpers.coco_folders import CATEGORY_IDS, coco_json_overrides, write_folder
 from tests.helpers.pipeline_config import make_config as make_pipeline_config
 from tests.helpers.tiny_config import make_config as make_train_config
 
@@ -42,10 +42,14 @@ def _perfect_outputs(batch):
     """predict_step-shaped outputs that repeat each eval image's ground-truth boxes with score 1."""
     boxes_mask = batch["boxes_mask"]
     return {
-        "boxes": batch["boxes"], "scores": boxes_mask.astype(np.float32),
-        "classes": np.maximum(batch["labels"], 0), "valid": boxes_mask,
-        "image_id": batch["image_id"], "scale": batch["scale"],
-        "original_size": batch["original_size"], "example_mask": batch["example_mask"],
+        "boxes": batch["boxes"],
+        "scores": boxes_mask.astype(np.float32),
+        "classes": np.maximum(batch["labels"], 0),
+        "valid": boxes_mask,
+        "image_id": batch["image_id"],
+        "scale": batch["scale"],
+        "original_size": batch["original_size"],
+        "example_mask": batch["example_mask"],
     }
 
 
@@ -68,8 +72,9 @@ def test_perfect_predictions_score_one_against_the_users_json(folder_config):
     assert metrics["AP50"] == pytest.approx(1.0)
     # The same boxes reported with contiguous labels instead of the user's ids score nothing:
     # the remap is what makes the score right.
-    unmapped = coco_evaluation.coco_metrics(ground_truth, [dict(r, category_id=CATEGORY_IDS.index(r["category_id"]))
-                                                      for r in results], image_ids)
+    unmapped = coco_evaluation.coco_metrics(
+        ground_truth, [dict(r, category_id=CATEGORY_IDS.index(r["category_id"])) for r in results], image_ids
+    )
     assert unmapped["AP"] < 0.1
 
 
@@ -92,9 +97,16 @@ def test_trains_and_evaluates_on_a_coco_folder(tmp_path):
 def test_images_without_annotations_can_be_left_out(tmp_path):
     train_json, train_images, _ = write_folder(tmp_path, "train", 8, negative_ids=(1, 2))
     config = make_pipeline_config(
-        tmp_path / "data", **{"dataset.name": "coco_json", "dataset.train_json": train_json,
-                              "dataset.train_images": train_images, "dataset.eval_json": train_json,
-                              "dataset.eval_images": train_images, "dataset.include_negatives": False})
+        tmp_path / "data",
+        **{
+            "dataset.name": "coco_json",
+            "dataset.train_json": train_json,
+            "dataset.train_images": train_images,
+            "dataset.eval_json": train_json,
+            "dataset.eval_images": train_images,
+            "dataset.include_negatives": False,
+        },
+    )
     seen = set()
     iterator = input_pipeline.create_train_iterator(config)
     for _ in range(4):  # 4 batches of 8 = 5+ epochs of the 6 positive images

@@ -18,13 +18,13 @@ import numpy as np
 import pytest
 from PIL import Image
 
+from detector.errors import ConfigError
 from detector.serving import artifact
 from detector.serving import predictor as predictor_lib
-from detector.errors import ConfigError
 from detector.serving.predictor import load_predictor
 from input_pipeline import transforms
-from tests.helpers.tiny_config import as_flags, make_config
 from tests.helpers import REPO_ROOT
+from tests.helpers.tiny_config import as_flags, make_config
 
 pytestmark = pytest.mark.usefixtures("compilation_cache_dir")
 
@@ -46,8 +46,12 @@ np.savez(output, **{f"{key}_{i}": value for i, result in enumerate(results) for 
 
 
 def subprocess_env():
-    return {**os.environ, "PYTHONPATH": str(REPO_ROOT), "JAX_PLATFORMS": "cpu",
-            "XLA_FLAGS": os.environ.get("XLA_FLAGS", "")}
+    return {
+        **os.environ,
+        "PYTHONPATH": str(REPO_ROOT),
+        "JAX_PLATFORMS": "cpu",
+        "XLA_FLAGS": os.environ.get("XLA_FLAGS", ""),
+    }
 
 
 def expected_detections(predictor, images):
@@ -65,11 +69,13 @@ def expected_detections(predictor, images):
         network_height, network_width = predictor.config.input.image_size
         scale = min(network_height / height, network_width / width)
         keep = outputs["valid"][i]
-        expected.append({
-            "boxes_yxyx": np.clip(outputs["boxes"][i][keep] / scale, 0.0, [height, width, height, width]),
-            "scores": outputs["scores"][i][keep],
-            "labels": outputs["classes"][i][keep],
-        })
+        expected.append(
+            {
+                "boxes_yxyx": np.clip(outputs["boxes"][i][keep] / scale, 0.0, [height, width, height, width]),
+                "scores": outputs["scores"][i][keep],
+                "labels": outputs["classes"][i][keep],
+            }
+        )
     return expected
 
 
@@ -84,10 +90,12 @@ def test_exported_program_in_a_fresh_process_detects_what_the_predictor_does(ref
     assert metadata["batch_size"] == 2 and metadata["step"] == 4
     assert metadata["input"]["shape"] == [2, 64, 64, 3]
     assert metadata["input"]["mean_rgb"] == list(config.input.mean_rgb)
-    assert metadata["outputs"] == {"boxes": {"shape": [2, MAX_DETECTIONS, 4], "dtype": "float32"},
-                                   "scores": {"shape": [2, MAX_DETECTIONS], "dtype": "float32"},
-                                   "classes": {"shape": [2, MAX_DETECTIONS], "dtype": "int32"},
-                                   "valid": {"shape": [2, MAX_DETECTIONS], "dtype": "bool"}}
+    assert metadata["outputs"] == {
+        "boxes": {"shape": [2, MAX_DETECTIONS, 4], "dtype": "float32"},
+        "scores": {"shape": [2, MAX_DETECTIONS], "dtype": "float32"},
+        "classes": {"shape": [2, MAX_DETECTIONS], "dtype": "int32"},
+        "valid": {"shape": [2, MAX_DETECTIONS], "dtype": "bool"},
+    }
     assert metadata["class_names"] == list(predictor.dataset_info.class_names)
     assert metadata["label_to_category_id"] == list(predictor.dataset_info.label_to_category_id)
 
@@ -99,8 +107,14 @@ def test_exported_program_in_a_fresh_process_detects_what_the_predictor_does(ref
         paths.append(tmp_path / f"image_{i}.png")
         Image.fromarray(image).save(paths[-1])
     output = tmp_path / "exported_detections.npz"
-    result = subprocess.run([sys.executable, "-c", LOAD_AND_PREDICT, str(directory), str(output), *map(str, paths)],
-                            cwd=REPO_ROOT, env=subprocess_env(), capture_output=True, text=True, timeout=120)
+    result = subprocess.run(
+        [sys.executable, "-c", LOAD_AND_PREDICT, str(directory), str(output), *map(str, paths)],
+        cwd=REPO_ROOT,
+        env=subprocess_env(),
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert result.returncode == 0, result.stderr[-3000:]
     got = np.load(output)
 
@@ -120,9 +134,21 @@ def test_exported_program_in_a_fresh_process_detects_what_the_predictor_does(ref
 
 def run_export_command(reference_run, data_dir, *extra):
     return subprocess.run(
-        [sys.executable, "-m", "detector.export", "--config=configs/default.py",
-         f"--workdir={reference_run.workdir}", *extra, *as_flags(data_dir)],
-        cwd=REPO_ROOT, env=subprocess_env(), capture_output=True, text=True, timeout=300)
+        [
+            sys.executable,
+            "-m",
+            "detector.export",
+            "--config=configs/default.py",
+            f"--workdir={reference_run.workdir}",
+            *extra,
+            *as_flags(data_dir),
+        ],
+        cwd=REPO_ROOT,
+        env=subprocess_env(),
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
 
 
 def test_export_command_writes_the_artifact(reference_run, data_dir, tmp_path):

@@ -25,10 +25,10 @@ import numpy as np
 import orbax.checkpoint as ocp
 import pytest
 
+from tests.helpers import REPO_ROOT
 from tests.helpers.processes import free_port
 from tests.helpers.runs import checkpoint_steps, flat, once_per_run, read_jsonl
 from tests.helpers.tiny_config import as_flags, make_config
-from tests.helpers import REPO_ROOT
 
 WORKER = "tests.helpers.checkpoint_worker"
 TOTAL_STEPS = 8
@@ -39,10 +39,15 @@ LOSS_KEYS = ("loss", "cls_loss", "box_loss", "grad_norm", "learning_rate")
 def _env(devices: int, cache_dir: pathlib.Path) -> dict[str, str]:
     """This test process's environment with `devices` fake CPU devices and the shared compilation cache."""
     xla_flags = [f for f in os.environ.get("XLA_FLAGS", "").split() if "device_count" not in f]
-    return {**os.environ, "PYTHONPATH": str(REPO_ROOT), "JAX_PLATFORMS": "cpu",
-            "XLA_FLAGS": " ".join(xla_flags + [f"--xla_force_host_platform_device_count={devices}"]),
-            "JAX_COMPILATION_CACHE_DIR": str(cache_dir), "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0",
-            "JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES": "0"}
+    return {
+        **os.environ,
+        "PYTHONPATH": str(REPO_ROOT),
+        "JAX_PLATFORMS": "cpu",
+        "XLA_FLAGS": " ".join(xla_flags + [f"--xla_force_host_platform_device_count={devices}"]),
+        "JAX_COMPILATION_CACHE_DIR": str(cache_dir),
+        "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0",
+        "JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES": "0",
+    }
 
 
 class Process:
@@ -50,8 +55,9 @@ class Process:
 
     def __init__(self, command: list[str], env: dict[str, str]):
         self.command = command
-        self.popen = subprocess.Popen(command, cwd=REPO_ROOT, env=env, stdout=subprocess.PIPE,
-                                      stderr=subprocess.STDOUT, text=True)
+        self.popen = subprocess.Popen(
+            command, cwd=REPO_ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+        )
         self.lines: list[str] = []
         self._new_line = threading.Condition()
         self._reader = threading.Thread(target=self._read, daemon=True)
@@ -98,8 +104,14 @@ class Process:
 
 
 def train_command(data_dir, workdir, **overrides) -> list[str]:
-    return [sys.executable, "-m", "detector.train", "--config=configs/default.py", f"--workdir={workdir}",
-            *as_flags(data_dir, **{**RUN, **overrides})]
+    return [
+        sys.executable,
+        "-m",
+        "detector.train",
+        "--config=configs/default.py",
+        f"--workdir={workdir}",
+        *as_flags(data_dir, **{**RUN, **overrides}),
+    ]
 
 
 def start_processes(command: list[str], num_processes: int, devices: int, cache_dir) -> list[Process]:
@@ -107,8 +119,13 @@ def start_processes(command: list[str], num_processes: int, devices: int, cache_
     if num_processes == 1:
         return [Process(command, _env(devices, cache_dir))]
     address = f"127.0.0.1:{free_port()}"
-    return [Process(command + [f"--coordinator_address={address}", f"--num_processes={num_processes}",
-                               f"--process_id={i}"], _env(devices, cache_dir)) for i in range(num_processes)]
+    return [
+        Process(
+            command + [f"--coordinator_address={address}", f"--num_processes={num_processes}", f"--process_id={i}"],
+            _env(devices, cache_dir),
+        )
+        for i in range(num_processes)
+    ]
 
 
 def saved_state(workdir, step):
@@ -116,8 +133,10 @@ def saved_state(workdir, step):
     path = pathlib.Path(workdir) / "checkpoints" / str(step) / "state"
     checkpointer = ocp.StandardCheckpointer()
     one_device = jax.sharding.SingleDeviceSharding(jax.devices()[0])
-    target = jax.tree.map(lambda leaf: jax.ShapeDtypeStruct(leaf.shape, leaf.dtype, sharding=one_device),
-                          checkpointer.metadata(path).item_metadata.tree)
+    target = jax.tree.map(
+        lambda leaf: jax.ShapeDtypeStruct(leaf.shape, leaf.dtype, sharding=one_device),
+        checkpointer.metadata(path).item_metadata.tree,
+    )
     return jax.device_get(checkpointer.restore(path, target))
 
 
@@ -139,7 +158,7 @@ def reference(tmp_path_factory, data_dir, cache_dir):
     workdir = tmp_path_factory.mktemp("reference")
     [run] = start_processes(train_command(data_dir, workdir), 1, 8, cache_dir)
     assert run.finish() == 0, run.output[-4000:]
-    assert checkpoint_steps(workdir) == [2, 4, 6, 8][-make_config(data_dir).keep_checkpoints:]
+    assert checkpoint_steps(workdir) == [2, 4, 6, 8][-make_config(data_dir).keep_checkpoints :]
     return workdir
 
 
@@ -244,8 +263,9 @@ def test_two_processes_train_like_one_and_stop_together_on_sigterm(reference, da
     assert checkpoint_steps(tmp_path) == [stop_steps[0]]
 
     # The restart takes another split of the same 8 devices: resharded on load, training continues.
-    runs = start_processes(command + ["--config.mesh.data=2", "--config.mesh.fsdp=2", "--config.mesh.model=2"],
-                           2, 4, cache_dir)
+    runs = start_processes(
+        command + ["--config.mesh.data=2", "--config.mesh.fsdp=2", "--config.mesh.model=2"], 2, 4, cache_dir
+    )
     runs[0].wait_for(rf"resuming from step {stop_steps[0]}\b")
     assert [run.finish() for run in runs] == [0, 0], runs[0].output[-3000:] + runs[1].output[-3000:]
     assert checkpoint_steps(tmp_path) == [stop_steps[0], TOTAL_STEPS]
@@ -279,11 +299,11 @@ def test_a_checkpoint_restores_identically_across_topologies(reference, cache_di
     shutil.copytree(reference / "checkpoints" / str(TOTAL_STEPS), source / "checkpoints" / str(TOTAL_STEPS))
 
     # Written on data=8; restored onto one device and saved again from there.
-    on_one = run_worker(config_json, source, "1,1,1", tmp_path / "one.npz", cache_dir,
-                        destination=one_device_workdir)
+    on_one = run_worker(config_json, source, "1,1,1", tmp_path / "one.npz", cache_dir, destination=one_device_workdir)
     # That checkpoint restored onto two processes x 4 devices, split data=2 fsdp=2 model=2.
-    on_two = run_worker(config_json, one_device_workdir, "2,2,2", tmp_path / "two.npz", cache_dir,
-                        num_processes=2, devices=4)
+    on_two = run_worker(
+        config_json, one_device_workdir, "2,2,2", tmp_path / "two.npz", cache_dir, num_processes=2, devices=4
+    )
 
     assert on_one["partitioned"] == 0 and on_two["partitioned"] > 0  # really split over fsdp and model
     expected = {f"params/{k}": v for k, v in flat(saved_state(reference, TOTAL_STEPS)["params"]).items()}

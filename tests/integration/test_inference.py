@@ -23,15 +23,13 @@ from pycocotools.coco import COCO
 from pycocotools.cocoeval import COCOeval
 
 import input_pipeline
-from detector.serving import coco_evaluation
+from detector.serving import coco_evaluation, drawing
 from detector.serving import predictor as predictor_lib
-from detector.serving import drawing
 from detector.serving.predictor import load_predictor, predict_images
-from tests.helpers.tiny_config import as_flags, make_config
 from tests.helpers import REPO_ROOT
+from tests.helpers.tiny_config import as_flags, make_config
 
 pytestmark = pytest.mark.usefixtures("compilation_cache_dir")
-
 
 
 def low_threshold_config(data_dir, threshold=0.001):
@@ -71,7 +69,8 @@ def test_evaluate_prints_both_tables_and_scores_what_it_writes(reference_run, da
         coco_eval.summarize()
     assert first["AP"] == pytest.approx(max(coco_eval.stats[0], -1.0), abs=1e-12)
     assert sum(c["instances"] for c in report["per_class"]) == sum(
-        not a.get("iscrowd", 0) for a in gt.dataset["annotations"])
+        not a.get("iscrowd", 0) for a in gt.dataset["annotations"]
+    )
 
 
 def test_checkpoint_choice(reference_run, data_dir):
@@ -105,7 +104,10 @@ def test_predict_writes_coco_results_and_draws_the_boxes(reference_run, data_dir
 
     images = json.loads((tmp_path / "images.json").read_text())
     assert [(pathlib.Path(e["file_name"]).name, e["height"], e["width"]) for e in images] == [
-        ("gray.png", 64, 64), ("tall.jpg", 120, 90), ("wide.png", 48, 160)]  # broken.jpg skipped
+        ("gray.png", 64, 64),
+        ("tall.jpg", 120, 90),
+        ("wide.png", 48, 160),
+    ]  # broken.jpg skipped
     assert json.loads((tmp_path / "detections.json").read_text()) == results
     assert {d["image_id"] for d in results} == {e["id"] for e in images}
     assert all(sum(d["image_id"] == e["id"] for d in results) == 5 for e in images)  # max_detections
@@ -119,7 +121,7 @@ def test_predict_writes_coco_results_and_draws_the_boxes(reference_run, data_dir
     x, y, w, h = best["bbox"]
     left, top, right, bottom = (int(np.floor(x)), int(np.floor(y)), int(np.ceil(x + w)) - 1, int(np.ceil(y + h)) - 1)
     # The left and bottom edges (label tags sit at the top and may cover other boxes' edges).
-    edges = np.concatenate([picture[top:bottom + 1, left], picture[bottom, left:right + 1]])
+    edges = np.concatenate([picture[top : bottom + 1, left], picture[bottom, left : right + 1]])
     assert edges.shape[0] > 2
     matches = np.all(edges == drawing.class_color(label), axis=-1)
     assert matches.mean() > 0.5, (best, edges)
@@ -128,10 +130,22 @@ def test_predict_writes_coco_results_and_draws_the_boxes(reference_run, data_dir
 def test_evaluate_command_prints_the_tables(reference_run, data_dir, tmp_path):
     env = {**os.environ, "PYTHONPATH": str(REPO_ROOT)}
     result = subprocess.run(
-        [sys.executable, "-m", "detector.evaluate", "--config=configs/default.py",
-         f"--workdir={reference_run.workdir}", "--checkpoint=best",
-         f"--output={tmp_path}", *as_flags(data_dir)],
-        cwd=REPO_ROOT, env=env, capture_output=True, text=True, timeout=300)
+        [
+            sys.executable,
+            "-m",
+            "detector.evaluate",
+            "--config=configs/default.py",
+            f"--workdir={reference_run.workdir}",
+            "--checkpoint=best",
+            f"--output={tmp_path}",
+            *as_flags(data_dir),
+        ],
+        cwd=REPO_ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert result.returncode == 0, result.stderr[-3000:]
     assert "COCO bbox metrics of step 4 (best)" in result.stdout
     assert "per class" in result.stdout and "rectangle" in result.stdout

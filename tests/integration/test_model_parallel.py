@@ -23,15 +23,15 @@ import pytest
 
 import sharding
 from configs import vitdet_tiny
-from detector.training import steps
 from detector.models.retinanet import create_model
-from detector.training.train_state import state_shardings
 from detector.models.vit import ViT
+from detector.training import steps
 from detector.training.planning import plan_train_step
+from detector.training.train_state import state_shardings
 from sharding import step_plan
 from sharding.collectives import parse_collectives
-from tests.helpers.sharded_training import NUM_CLASSES, spatial_config
 from tests.helpers import REPO_ROOT
+from tests.helpers.sharded_training import NUM_CLASSES, spatial_config
 
 
 def tensor_parallel_vit_config():
@@ -49,7 +49,7 @@ def tensor_parallel_vit_config():
 
 
 def plan_on(config, shape):
-    devices = jax.devices()[:math.prod(shape)]
+    devices = jax.devices()[: math.prod(shape)]
     return plan_train_step(step_plan.with_mesh_shape(config, shape), devices)
 
 
@@ -118,14 +118,23 @@ def test_data_parallel_moves_gradients_once_and_no_activations(vit_plans):
 
 def _compiled_backbone_forward(config, mesh_shape):
     backbone_config = config.model.backbone
-    backbone = ViT(patch_size=16, embed_dim=backbone_config.embed_dim, depth=backbone_config.depth,
-                   num_heads=backbone_config.num_heads, window_size=backbone_config.window_size,
-                   global_attention_every=backbone_config.global_attention_every,
-                   pretrain_image_size=backbone_config.pretrain_image_size, scan=backbone_config.scan)
-    mesh = sharding.create_mesh(dict(zip(sharding.MESH_AXES, mesh_shape)), jax.devices()[:math.prod(mesh_shape)])
+    backbone = ViT(
+        patch_size=16,
+        embed_dim=backbone_config.embed_dim,
+        depth=backbone_config.depth,
+        num_heads=backbone_config.num_heads,
+        window_size=backbone_config.window_size,
+        global_attention_every=backbone_config.global_attention_every,
+        pretrain_image_size=backbone_config.pretrain_image_size,
+        scan=backbone_config.scan,
+    )
+    mesh = sharding.create_mesh(dict(zip(sharding.MESH_AXES, mesh_shape)), jax.devices()[: math.prod(mesh_shape)])
     rules = sharding.logical_rules(config.sharding)
-    images = jax.ShapeDtypeStruct((config.global_batch_size, *config.input.image_size, 3), jnp.float32,
-                                  sharding=sharding.batch_sharding(mesh, sharding.batch_axes(mesh)))
+    images = jax.ShapeDtypeStruct(
+        (config.global_batch_size, *config.input.image_size, 3),
+        jnp.float32,
+        sharding=sharding.batch_sharding(mesh, sharding.batch_axes(mesh)),
+    )
     with sharding.use_mesh(mesh, rules):
         # The same shardings the trainer gives parameters; the optimizer is irrelevant here.
         abstract_state, _ = state_shardings(backbone, optax.sgd(0.1), tuple(config.input.image_size), mesh, rules)
@@ -185,13 +194,15 @@ def test_bfloat16_computes_in_bfloat16_with_float32_parameters_and_outputs():
     outputs = jax.eval_shape(lambda v: model.apply(v, images), variables)
     assert all(o.dtype == jnp.float32 for o in outputs)  # losses see float32 logits and deltas
     program = jax.jit(lambda v: model.apply(v, images)).lower(variables).as_text()
-    matmuls = [line for line in program.splitlines()
-               if "stablehlo.convolution" in line or "stablehlo.dot_general" in line]
+    matmuls = [
+        line for line in program.splitlines() if "stablehlo.convolution" in line or "stablehlo.dot_general" in line
+    ]
     # Every conv and matmul reads bf16 operands (attention logits accumulate
     # into float32 on purpose, so outputs are not checked).
     operand_types = [re.findall(r"x([a-z]\w*)>", line.rsplit(" : ", 1)[-1].split("->")[0]) for line in matmuls]
-    assert matmuls and all(types == ["bf16", "bf16"] for types in operand_types), (
-        [line for line, types in zip(matmuls, operand_types) if types != ["bf16", "bf16"]][:3])
+    assert matmuls and all(types == ["bf16", "bf16"] for types in operand_types), [
+        line for line, types in zip(matmuls, operand_types) if types != ["bf16", "bf16"]
+    ][:3]
 
 
 def test_spatial_partitioning_splits_conv_activations_over_model():
@@ -233,9 +244,21 @@ def test_search_names_the_smallest_split_that_fits(vit_plans):
 def test_plan_cli_prints_the_table_and_writes_json(tmp_path):
     out = tmp_path / "plan.json"
     result = subprocess.run(
-        [sys.executable, "-m", "detector.plan", "--config=configs/vitdet_tiny.py", "--devices=2",
-         "--config.global_batch_size=2", "--device_memory_gb=80", f"--json={out}"],
-        capture_output=True, text=True, timeout=600, cwd=REPO_ROOT)
+        [
+            sys.executable,
+            "-m",
+            "detector.plan",
+            "--config=configs/vitdet_tiny.py",
+            "--devices=2",
+            "--config.global_batch_size=2",
+            "--device_memory_gb=80",
+            f"--json={out}",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        cwd=REPO_ROOT,
+    )
     assert result.returncode == 0, result.stderr[-3000:]
     assert "| (2, 1, 1) | 1 |" in result.stdout, result.stdout
     assert "fits in 80 GB" in result.stdout
@@ -246,15 +269,22 @@ def test_plan_cli_prints_the_table_and_writes_json(tmp_path):
     assert report["plans"][0]["collectives"]["all-reduce"]["count"] > 0
 
 
-@pytest.mark.parametrize("flag, message", [
-    ("--devices=0", "--devices=0: 0 is not a positive integer"),
-    ("--json=/nonexistent/dir/plan.json", "its directory does not exist"),
-    ("--config.mesh.fsdp=3", "cannot fill 8 devices"),
-])
+@pytest.mark.parametrize(
+    "flag, message",
+    [
+        ("--devices=0", "--devices=0: 0 is not a positive integer"),
+        ("--json=/nonexistent/dir/plan.json", "its directory does not exist"),
+        ("--config.mesh.fsdp=3", "cannot fill 8 devices"),
+    ],
+)
 def test_plan_cli_rejects_bad_input_in_one_line(flag, message):
     result = subprocess.run(
         [sys.executable, "-m", "detector.plan", "--config=configs/vitdet_tiny.py", "--devices=8", flag],
-        capture_output=True, text=True, timeout=300, cwd=REPO_ROOT)
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=REPO_ROOT,
+    )
     assert result.returncode != 0
     errors = [line for line in result.stderr.splitlines() if line.startswith("error:")]
     assert len(errors) == 1 and message in errors[0], result.stderr[-2000:]

@@ -14,8 +14,8 @@ import numpy as np
 import pytest
 
 import input_pipeline
-from tests.helpers.pipeline_config import make_config
 from tests.helpers import REPO_ROOT
+from tests.helpers.pipeline_config import make_config
 from tests.helpers.processes import free_port
 
 WORKER = "tests.helpers.multiprocess_input_worker"
@@ -30,9 +30,17 @@ def _run_processes(config, tmp_path, num_processes):
     port = free_port()
     env = {**os.environ, "PYTHONPATH": REPO_ROOT}
     env.pop("XLA_FLAGS", None)
-    procs = [subprocess.Popen([sys.executable, "-m", WORKER, str(config_path), str(port), str(num_processes), str(i), str(out)],
-                              cwd=REPO_ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-             for i in range(num_processes)]
+    procs = [
+        subprocess.Popen(
+            [sys.executable, "-m", WORKER, str(config_path), str(port), str(num_processes), str(i), str(out)],
+            cwd=REPO_ROOT,
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )
+        for i in range(num_processes)
+    ]
     logs = []
     for p in procs:
         try:

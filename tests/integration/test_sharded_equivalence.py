@@ -12,8 +12,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from configs import vitdet_tiny
-from detector.training import steps
 from detector.models.retinanet import create_model
+from detector.training import steps
 from tests.helpers.sharded_training import NUM_CLASSES, assert_same_training, spatial_config, train_on_mesh
 
 
@@ -48,8 +48,11 @@ def check_sharded_training(config, mesh_shape, expected_axes):
     config.optimizer.warmup_steps = 0
     config.total_steps = 3
     model = create_model(config.model, NUM_CLASSES, steps.num_anchors_per_location(config))
-    initial = jax.device_get(flax.linen.meta.unbox(
-        jax.jit(lambda r: model.init(r, jnp.zeros((1, *config.input.image_size, 3))))(jax.random.key(0))["params"]))
+    initial = jax.device_get(
+        flax.linen.meta.unbox(
+            jax.jit(lambda r: model.init(r, jnp.zeros((1, *config.input.image_size, 3))))(jax.random.key(0))["params"]
+        )
+    )
     batches = [random_batch(config, seed) for seed in range(3)]
     reference = train_on_mesh(config, (1, 1, 1), initial, batches, NUM_CLASSES)
     sharded = train_on_mesh(config, mesh_shape, initial, batches, NUM_CLASSES)

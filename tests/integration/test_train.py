@@ -13,24 +13,21 @@ import json
 import math
 import types
 
-import orbax.checkpoint as ocp
 import jax
 import numpy as np
+import orbax.checkpoint as ocp
 import pytest
 import tensorflow as tf
 
 import input_pipeline
 import sharding
-from detector.training import checkpointing
-from detector.training import optim
-from detector.training import steps
-from detector.training import trainer
 from detector.errors import TrainingError
 from detector.models.retinanet import create_model
+from detector.training import checkpointing, optim, steps, trainer
 from detector.training.train_state import describe_param_shardings, state_shardings
+from tests.helpers.runs import checkpoint_steps, flat, read_jsonl
 from tests.helpers.sharded_training import abstract_state_on_mesh, assert_same_training, train_on_mesh
 from tests.helpers.tiny_config import make_config
-from tests.helpers.runs import checkpoint_steps, flat, read_jsonl
 
 pytestmark = pytest.mark.usefixtures("compilation_cache_dir")
 
@@ -79,11 +76,20 @@ def test_training_writes_checkpoints_metrics_and_tensorboard(reference_run):
 
     event_files = list((workdir / "tensorboard").glob("events.out.tfevents.*"))
     assert event_files
-    tags = {value.tag for path in event_files
-            for event in tf.compat.v1.train.summary_iterator(str(path)) for value in event.summary.value}
+    tags = {
+        value.tag
+        for path in event_files
+        for event in tf.compat.v1.train.summary_iterator(str(path))
+        for value in event.summary.value
+    }
     assert {"train/loss", "train/learning_rate", "eval/AP", "eval/predictions_vs_ground_truth"} <= tags
-    [pictures] = [value for path in event_files for event in tf.compat.v1.train.summary_iterator(str(path))
-                  for value in event.summary.value if value.tag == "eval/predictions_vs_ground_truth"]
+    [pictures] = [
+        value
+        for path in event_files
+        for event in tf.compat.v1.train.summary_iterator(str(path))
+        for value in event.summary.value
+        if value.tag == "eval/predictions_vs_ground_truth"
+    ]
     panels = tf.make_ndarray(pictures.tensor)  # [width, height, *encoded images]
     assert len(panels) - 2 == config.eval_pictures
     assert {path.name for path in (workdir / "plots").iterdir()} == {"loss.png", "map.png"}
@@ -143,8 +149,11 @@ def test_interrupted_run_resumes_exactly(reference_run, tmp_path, monkeypatch):
     def create_train_iterator(config, *, start_position=0, first_row=None):
         start_positions.append(start_position)
         batches = real_create_train_iterator(config, start_position=start_position, first_row=first_row)
-        return batches if len(start_positions) > 1 else WrappedTrainIterator(
-            batches, config.global_batch_size, dies_at_step_3)
+        return (
+            batches
+            if len(start_positions) > 1
+            else WrappedTrainIterator(batches, config.global_batch_size, dies_at_step_3)
+        )
 
     monkeypatch.setattr(input_pipeline, "create_train_iterator", create_train_iterator)
     with pytest.raises(Preempted):
@@ -164,8 +173,9 @@ def test_interrupted_run_resumes_exactly(reference_run, tmp_path, monkeypatch):
     # Same batches, same learning rates, same losses as the uninterrupted run.
     reference_lines = read_jsonl(reference_run.workdir / "train_metrics.jsonl")
     for key in ("loss", "cls_loss", "box_loss", "grad_norm", "learning_rate"):
-        np.testing.assert_allclose([line[key] for line in train_lines], [line[key] for line in reference_lines],
-                                   rtol=1e-5, err_msg=key)
+        np.testing.assert_allclose(
+            [line[key] for line in train_lines], [line[key] for line in reference_lines], rtol=1e-5, err_msg=key
+        )
     assert metrics == pytest.approx(reference_run.metrics)
 
     resumed, resumed_metadata, resumed_step = restore_latest(tmp_path, config)
@@ -191,8 +201,13 @@ def _poison_steps(monkeypatch, bad_steps):
     def poison(batch, step):
         return dict(batch, image=np.full_like(batch["image"], np.nan)) if step in bad_steps else batch
 
-    monkeypatch.setattr(input_pipeline, "create_train_iterator", lambda config, **kwargs: WrappedTrainIterator(
-        real_create_train_iterator(config, **kwargs), config.global_batch_size, poison))
+    monkeypatch.setattr(
+        input_pipeline,
+        "create_train_iterator",
+        lambda config, **kwargs: WrappedTrainIterator(
+            real_create_train_iterator(config, **kwargs), config.global_batch_size, poison
+        ),
+    )
 
 
 def _optimizer_counters(state):
@@ -256,8 +271,9 @@ def test_parameters_are_partitioned_on_a_2x2x2_mesh(data_dir):
     config = make_config(data_dir)
     mesh = sharding.create_mesh(dict(data=2, fsdp=2, model=2))
     rules = sharding.logical_rules(config.sharding)
-    model = create_model(config.model, input_pipeline.get_dataset_info(config).num_classes,
-                         steps.num_anchors_per_location(config))
+    model = create_model(
+        config.model, input_pipeline.get_dataset_info(config).num_classes, steps.num_anchors_per_location(config)
+    )
     tx, _ = optim.create_optimizer(config.optimizer, config.total_steps)
     with sharding.use_mesh(mesh, rules):
         abstract_state, _ = state_shardings(model, tx, tuple(config.input.image_size), mesh, rules)
@@ -267,8 +283,7 @@ def test_parameters_are_partitioned_on_a_2x2x2_mesh(data_dir):
     assert any("'fsdp'" in spec for spec in kernels), specs
 
 
-@pytest.mark.parametrize("mesh_shape", [(1, 2, 4), (2, 2, 2)],
-                         ids=lambda shape: "x".join(map(str, shape)))
+@pytest.mark.parametrize("mesh_shape", [(1, 2, 4), (2, 2, 2)], ids=lambda shape: "x".join(map(str, shape)))
 def test_sharding_changes_placement_not_results(sharding_comparison, mesh_shape):
     sharded = sharding_comparison.run(mesh_shape)
     reference, initial = sharding_comparison.reference, sharding_comparison.initial

@@ -8,7 +8,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from jax.sharding import NamedSharding, PartitionSpec as P
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
 
 from sharding.collectives import COLLECTIVE_KINDS, Collective, CollectiveSummary, parse_collectives, summarize
 
@@ -66,12 +67,14 @@ def test_all_reduce_in_scan_body_runs_once_per_iteration(mesh):
     def f(a, w):
         def body(c, _):
             return jnp.tanh(c + (a * c.sum()) @ w), None
+
         return jax.lax.scan(body, jnp.zeros((16, 32)), None, length=5)[0]
 
     a = jax.ShapeDtypeStruct((16, 64), jnp.float32)
     w = jax.ShapeDtypeStruct((64, 32), jnp.float32)
-    text = _compiled_hlo(f, [a, w], (NamedSharding(mesh, P(None, "x")), NamedSharding(mesh, P("x", None))),
-                         NamedSharding(mesh, P()))
+    text = _compiled_hlo(
+        f, [a, w], (NamedSharding(mesh, P(None, "x")), NamedSharding(mesh, P("x", None))), NamedSharding(mesh, P())
+    )
     ar = _only(parse_collectives(text), "all-reduce")
     assert ar.bytes == 16 * 32 * F32
     assert (ar.executions, ar.executions_exact) == (5, True)
@@ -84,12 +87,14 @@ def test_nested_fori_loops_multiply_trip_counts(mesh):
     def f(a, w):
         def outer(i, c):
             return jax.lax.fori_loop(0, 3, lambda j, d: jnp.tanh(d + (a * d.sum()) @ w), c)
+
         return jax.lax.fori_loop(0, 2, outer, jnp.zeros((16, 32)))
 
     a = jax.ShapeDtypeStruct((16, 64), jnp.float32)
     w = jax.ShapeDtypeStruct((64, 32), jnp.float32)
-    text = _compiled_hlo(f, [a, w], (NamedSharding(mesh, P(None, "x")), NamedSharding(mesh, P("x", None))),
-                         NamedSharding(mesh, P()))
+    text = _compiled_hlo(
+        f, [a, w], (NamedSharding(mesh, P(None, "x")), NamedSharding(mesh, P("x", None))), NamedSharding(mesh, P())
+    )
     ar = _only(parse_collectives(text), "all-reduce")
     assert ar.executions == 6
     assert summarize([ar])["all-reduce"].bytes == 6 * 16 * 32 * F32
@@ -101,8 +106,9 @@ def test_two_reductions_are_combined_into_one_tuple_all_reduce(mesh):
     x = jax.ShapeDtypeStruct((8, 1024), jnp.float32)
     y = jax.ShapeDtypeStruct((8, 256), jnp.bfloat16)
     rows = NamedSharding(mesh, P("x", None))
-    text = _compiled_hlo(lambda a, b: (a.sum(0), b.sum(0)), [x, y], (rows, rows),
-                         (NamedSharding(mesh, P()), NamedSharding(mesh, P())))
+    text = _compiled_hlo(
+        lambda a, b: (a.sum(0), b.sum(0)), [x, y], (rows, rows), (NamedSharding(mesh, P()), NamedSharding(mesh, P()))
+    )
     ar = _only(parse_collectives(text), "all-reduce")
     assert ar.shapes == (("f32", (1024,)), ("f32", (256,)))
     assert ar.bytes == (1024 + 256) * F32
@@ -114,9 +120,12 @@ def test_contraction_into_a_sharded_output_reduces_the_full_product(mesh):
     # product (a reduce-scatter's bytes are its unscattered operand).
     a = jax.ShapeDtypeStruct((16, 64), jnp.float32)
     w = jax.ShapeDtypeStruct((64, 32), jnp.float32)
-    text = _compiled_hlo(lambda a, w: a @ w, [a, w],
-                         (NamedSharding(mesh, P(None, "x")), NamedSharding(mesh, P("x", None))),
-                         NamedSharding(mesh, P("x", None)))
+    text = _compiled_hlo(
+        lambda a, w: a @ w,
+        [a, w],
+        (NamedSharding(mesh, P(None, "x")), NamedSharding(mesh, P("x", None))),
+        NamedSharding(mesh, P("x", None)),
+    )
     summary = summarize(parse_collectives(text))
     reducing = (summary["all-reduce"], summary["reduce-scatter"])
     assert sum(s.count for s in reducing) == 1
@@ -168,8 +177,9 @@ _ADD = """\
 
 
 def _module(entry_body: str, *computations: str, header: str = "HloModule m, num_partitions=8") -> str:
-    return "\n".join([header, "", _ADD, *computations,
-                      "ENTRY %main (p: f32[16,32]) -> f32[16,32] {\n" + entry_body + "}\n"])
+    return "\n".join(
+        [header, "", _ADD, *computations, "ENTRY %main (p: f32[16,32]) -> f32[16,32] {\n" + entry_body + "}\n"]
+    )
 
 
 def test_tuple_all_reduce_sums_its_elements_with_each_dtype_size():
@@ -178,10 +188,17 @@ def test_tuple_all_reduce_sums_its_elements_with_each_dtype_size():
         "  %ar = (f32[4,8]{1,0}, bf16[16]{0}, s8[10]{0}, pred[3]{0}, f8e4m3fn[5]{0}, c64[2]{0}) "
         "all-reduce(%a, %b, %c, %d, %e, /*index=5*/%f), channel_id=1, replica_groups={{0,1,2,3},{4,5,6,7}}, "
         "to_apply=%add\n"
-        "  ROOT %r = f32[16,32]{1,0} copy(%p)\n")
+        "  ROOT %r = f32[16,32]{1,0} copy(%p)\n"
+    )
     ar = _only(parse_collectives(text), "all-reduce")
-    assert ar.shapes == (("f32", (4, 8)), ("bf16", (16,)), ("s8", (10,)), ("pred", (3,)),
-                         ("f8e4m3fn", (5,)), ("c64", (2,)))
+    assert ar.shapes == (
+        ("f32", (4, 8)),
+        ("bf16", (16,)),
+        ("s8", (10,)),
+        ("pred", (3,)),
+        ("f8e4m3fn", (5,)),
+        ("c64", (2,)),
+    )
     assert ar.bytes == 4 * 8 * 4 + 16 * 2 + 10 + 3 + 5 + 2 * 8
     assert ar.group_size == 4
 
@@ -204,10 +221,16 @@ def test_async_pairs_count_the_start_once():
         "  %a2s = ((f32[16,32]{1,0}), f32[16,32]{1,0}, s32[]) all-to-all-start(%p), channel_id=5, "
         "replica_groups=[1,8]<=[8], dimensions={0}\n"
         "  %a2d = f32[16,32]{1,0} all-to-all-done(%a2s)\n"
-        "  ROOT %r = f32[16,32]{1,0} copy(%a2d)\n")
+        "  ROOT %r = f32[16,32]{1,0} copy(%a2d)\n"
+    )
     collectives = parse_collectives(text)
     assert [c.kind for c in collectives] == [
-        "all-gather", "all-reduce", "collective-permute", "reduce-scatter", "all-to-all"]
+        "all-gather",
+        "all-reduce",
+        "collective-permute",
+        "reduce-scatter",
+        "all-to-all",
+    ]
     full = 16 * 32 * F32
     by_kind = {c.kind: c for c in collectives}
     # all-gather-start is (operand, result): only the gathered result counts.
@@ -229,7 +252,8 @@ def test_sync_reduce_scatter_counts_its_operand():
         "to_apply=%add\n"
         "  %rs2 = f32[16,4]{1,0} reduce-scatter(f32[16,32]{1,0} %p), channel_id=2, replica_groups=[1,8]<=[8], "
         "dimensions={1}, to_apply=%add\n"
-        "  ROOT %r = f32[16,32]{1,0} copy(%p)\n")
+        "  ROOT %r = f32[16,32]{1,0} copy(%p)\n"
+    )
     rs, rs2 = parse_collectives(text)
     assert rs.kind == rs2.kind == "reduce-scatter"
     assert rs.shapes == rs2.shapes == (("f32", (16, 32)),)
@@ -243,7 +267,8 @@ def test_reduce_scatter_with_unreadable_operand_is_rebuilt_from_its_result():
         "  %p = f32[16,32]{1,0} parameter(0)\n"
         "  %rs = bf16[16,8]{1,0} reduce-scatter(%q), channel_id=1, replica_groups=[2,4]<=[8], dimensions={1}, "
         "to_apply=%add\n"
-        "  ROOT %r = f32[16,32]{1,0} copy(%p)\n")
+        "  ROOT %r = f32[16,32]{1,0} copy(%p)\n"
+    )
     rs = _only(parse_collectives(text), "reduce-scatter")
     assert rs.shapes == (("bf16", (16, 32)),)
     assert rs.bytes == 16 * 32 * 2
@@ -286,7 +311,8 @@ def test_nested_while_loops_multiply_and_conditions_run_once_more():
         "  %w = (s32[], f32[16,32]{1,0}) while(%t), condition=%outer_cond, body=%outer_body, "
         'metadata={op_name="jit(f)/while/body"}, backend_config={"known_trip_count":{"n":"2"}}\n'
         "  ROOT %r = f32[16,32]{1,0} get-tuple-element(%w), index=1\n",
-        _LOOP_BODY)
+        _LOOP_BODY,
+    )
     body_ar, cond_ar = parse_collectives(text)
     assert (body_ar.computation, body_ar.executions) == ("inner_body", 2 * 3)
     assert (cond_ar.computation, cond_ar.executions) == ("inner_cond", 2 * (3 + 1))
@@ -301,7 +327,8 @@ def test_while_without_known_trip_count_counts_once_and_says_so(caplog):
         "  %t = (s32[], f32[16,32]{1,0}) tuple(%z, %p)\n"
         "  %w = (s32[], f32[16,32]{1,0}) while(%t), condition=%outer_cond, body=%outer_body\n"
         "  ROOT %r = f32[16,32]{1,0} get-tuple-element(%w), index=1\n",
-        _LOOP_BODY)
+        _LOOP_BODY,
+    )
     with caplog.at_level(logging.WARNING, logger="sharding.collectives"):
         body_ar, _ = parse_collectives(text)
     assert body_ar.executions == 3  # outer loop assumed to run once
@@ -309,24 +336,28 @@ def test_while_without_known_trip_count_counts_once_and_says_so(caplog):
     assert any("no known trip count" in r.getMessage() and "%w" in r.getMessage() for r in caplog.records)
 
 
-@pytest.mark.parametrize("groups,size", [
-    ("replica_groups={{0,1,2,3},{4,5,6,7}}", 4),
-    ("replica_groups={{0,4},{1,5},{2,6},{3,7}}", 2),
-    ("replica_groups=[2,4]<=[8]", 4),
-    ("replica_groups=[4,2]<=[2,4]T(1,0)", 2),
-    ("replica_groups=[1,8]<=[8]", 8),
-    ("replica_groups=mesh['x'=8] {'x'}", 8),
-    ("replica_groups=mesh['data'=2,'model'=4], device_ids=([2,4]T(1,0)) {'data'}", 2),
-    ("replica_groups=mesh['data'=2,'model'=4] {'data','model'}", 8),
-    ("replica_groups=mesh['data'=2,'model'=4] {'model':(1)2}", 2),
-    ("replica_groups={}", 8),  # all devices (num_partitions=8 in the header)
-    ("replica_groups=garbage", 1),
-])
+@pytest.mark.parametrize(
+    "groups,size",
+    [
+        ("replica_groups={{0,1,2,3},{4,5,6,7}}", 4),
+        ("replica_groups={{0,4},{1,5},{2,6},{3,7}}", 2),
+        ("replica_groups=[2,4]<=[8]", 4),
+        ("replica_groups=[4,2]<=[2,4]T(1,0)", 2),
+        ("replica_groups=[1,8]<=[8]", 8),
+        ("replica_groups=mesh['x'=8] {'x'}", 8),
+        ("replica_groups=mesh['data'=2,'model'=4], device_ids=([2,4]T(1,0)) {'data'}", 2),
+        ("replica_groups=mesh['data'=2,'model'=4] {'data','model'}", 8),
+        ("replica_groups=mesh['data'=2,'model'=4] {'model':(1)2}", 2),
+        ("replica_groups={}", 8),  # all devices (num_partitions=8 in the header)
+        ("replica_groups=garbage", 1),
+    ],
+)
 def test_replica_group_sizes(groups, size):
     text = _module(
         "  %p = f32[16,32]{1,0} parameter(0)\n"
         f"  ROOT %ar = f32[16,32]{{1,0}} all-reduce(%p), channel_id=1, {groups}, use_global_device_ids=true, "
-        "to_apply=%add\n")
+        "to_apply=%add\n"
+    )
     assert _only(parse_collectives(text), "all-reduce").group_size == size
 
 
@@ -343,7 +374,8 @@ def test_async_start_wrapping_a_collective_counts_it_once():
         "  %st = ((f32[2,32]{1,0}), f32[16,32]{1,0}, s32[]) async-start(%s), calls=%wrapped_all_gather\n"
         "  %up = ((f32[2,32]{1,0}), f32[16,32]{1,0}, s32[]) async-update(%st), calls=%wrapped_all_gather\n"
         "  ROOT %dn = f32[16,32]{1,0} async-done(%up), calls=%wrapped_all_gather\n",
-        wrapped)
+        wrapped,
+    )
     ag = _only(parse_collectives(text), "all-gather")
     assert (ag.computation, ag.executions, ag.bytes) == ("wrapped_all_gather", 1, 16 * 32 * F32)
 
@@ -383,7 +415,8 @@ def test_calls_fusions_and_conditionals():
         "  %i = s32[] constant(0)\n"
         "  %cond = f32[16,32]{1,0} conditional(%i, %f, %f), branch_computations={%branch_a, %branch_b}\n"
         "  ROOT %red = f32[] reduce(%cond, %i), dimensions={0,1}, to_apply=%add\n",
-        callee)
+        callee,
+    )
     collectives = parse_collectives(text)
     runs = {c.computation: (c.kind, c.executions, c.executions_exact) for c in collectives}
     assert runs == {
@@ -421,5 +454,6 @@ def test_empty_replica_groups_without_channel_span_the_replicas():
     text = _module(
         "  %p = f32[16,32]{1,0} parameter(0)\n"
         "  ROOT %ar = f32[16,32]{1,0} all-reduce(%p), replica_groups={}, to_apply=%add\n",
-        header="HloModule m, replica_count=4, num_partitions=2")
+        header="HloModule m, replica_count=4, num_partitions=2",
+    )
     assert _only(parse_collectives(text), "all-reduce").group_size == 4

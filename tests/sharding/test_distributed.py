@@ -11,18 +11,21 @@ import pytest
 
 from sharding import distributed
 from sharding.distributed import DistributedError, DistributedOptions
-from tests.helpers.processes import free_port
 from tests.helpers import REPO_ROOT
+from tests.helpers.processes import free_port
 
 LAUNCHER = REPO_ROOT / "scripts" / "launch_local.sh"
 
 
-@pytest.mark.parametrize("options, message", [
-    (DistributedOptions(coordinator_address="10.0.0.1:1234"), "go together"),
-    (DistributedOptions(num_processes=2, process_id=0), "go together"),
-    (DistributedOptions("10.0.0.1:1234", num_processes=2, process_id=2), r"--process_id=2 must be in 0\.\.1"),
-    (DistributedOptions("10.0.0.1", num_processes=2, process_id=0), "needs a port"),
-])
+@pytest.mark.parametrize(
+    "options, message",
+    [
+        (DistributedOptions(coordinator_address="10.0.0.1:1234"), "go together"),
+        (DistributedOptions(num_processes=2, process_id=0), "go together"),
+        (DistributedOptions("10.0.0.1:1234", num_processes=2, process_id=2), r"--process_id=2 must be in 0\.\.1"),
+        (DistributedOptions("10.0.0.1", num_processes=2, process_id=0), "needs a port"),
+    ],
+)
 def test_inconsistent_flags_are_one_line_errors(options, message):
     with pytest.raises(DistributedError, match=message) as error:
         distributed.initialize(options, environ={})
@@ -45,16 +48,28 @@ def _env():
 
 
 def test_local_launcher_joins_processes():
-    result = subprocess.run([str(LAUNCHER), "2", "3", "--", sys.executable, "-m", "sharding.distributed"],
-                            cwd=REPO_ROOT, env=_env(), capture_output=True, text=True, timeout=120)
+    result = subprocess.run(
+        [str(LAUNCHER), "2", "3", "--", sys.executable, "-m", "sharding.distributed"],
+        cwd=REPO_ROOT,
+        env=_env(),
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     for i in range(2):
         assert f"[{i}] process {i} of 2: 3 local of 6 devices (cpu); a collective reached 2 processes" in result.stdout
 
 
 def test_local_launcher_reports_a_failing_process():
-    result = subprocess.run([str(LAUNCHER), "2", "--", sys.executable, "-c", "import sys; sys.exit(3)"],
-                            cwd=REPO_ROOT, env=_env(), capture_output=True, text=True, timeout=60)
+    result = subprocess.run(
+        [str(LAUNCHER), "2", "--", sys.executable, "-c", "import sys; sys.exit(3)"],
+        cwd=REPO_ROOT,
+        env=_env(),
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert result.returncode == 3
 
 
@@ -76,8 +91,17 @@ PEER = textwrap.dedent("""
 def test_a_dead_peer_stops_the_survivor_within_a_minute(tmp_path):
     address = f"127.0.0.1:{free_port()}"
     env = {**_env(), "JAX_PLATFORMS": "cpu", "XLA_FLAGS": "--xla_force_host_platform_device_count=2"}
-    procs = [subprocess.Popen([sys.executable, "-c", PEER, address, str(i)], cwd=REPO_ROOT, env=env,
-                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for i in range(2)]
+    procs = [
+        subprocess.Popen(
+            [sys.executable, "-c", PEER, address, str(i)],
+            cwd=REPO_ROOT,
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )
+        for i in range(2)
+    ]
     start = time.monotonic()
     try:
         survivor_output, _ = procs[0].communicate(timeout=90)
@@ -100,8 +124,14 @@ SIGTERM_REPORTER = textwrap.dedent("""
 
 def test_local_launcher_passes_sigterm_to_every_process_and_waits_for_them():
     """A scheduler's SIGTERM to the launcher reaches each process, whose own exit status (0 here) is the result."""
-    launcher = subprocess.Popen([str(LAUNCHER), "2", "--", sys.executable, "-c", SIGTERM_REPORTER], cwd=REPO_ROOT,
-                                env=_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    launcher = subprocess.Popen(
+        [str(LAUNCHER), "2", "--", sys.executable, "-c", SIGTERM_REPORTER],
+        cwd=REPO_ROOT,
+        env=_env(),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
     ready = [launcher.stdout.readline() for _ in range(2)]
     assert sorted(ready) == ["[0] ready\n", "[1] ready\n"]
     launcher.send_signal(signal.SIGTERM)

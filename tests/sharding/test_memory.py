@@ -1,7 +1,8 @@
 import jax
 import jax.numpy as jnp
 import pytest
-from jax.sharding import NamedSharding, PartitionSpec as P
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
 
 import sharding
 from sharding import memory
@@ -11,8 +12,9 @@ def _compiled_matmul(spec):
     mesh = sharding.create_mesh(dict(data=-1, fsdp=1, model=1))
     weight_sharding = NamedSharding(mesh, spec)
     f = jax.jit(lambda w, x: x @ w, in_shardings=(weight_sharding, NamedSharding(mesh, P())))
-    return f.lower(jax.ShapeDtypeStruct((1024, 512), jnp.float32),
-                   jax.ShapeDtypeStruct((8, 1024), jnp.float32)).compile()
+    return f.lower(
+        jax.ShapeDtypeStruct((1024, 512), jnp.float32), jax.ShapeDtypeStruct((8, 1024), jnp.float32)
+    ).compile()
 
 
 def test_memory_report_counts_sharded_arguments_per_device():

@@ -5,22 +5,28 @@ import sharding
 from sharding.mesh import check_global_batch, resolve_mesh_shape
 
 
-@pytest.mark.parametrize("config,expected", [
-    (dict(data=-1, fsdp=1, model=1), (8, 1, 1)),
-    (dict(data=4, fsdp=1, model=2), (4, 1, 2)),
-    (dict(data=2, fsdp=-1, model=2), (2, 2, 2)),
-    (dict(data=1, fsdp=1, model=-1), (1, 1, 8)),
-])
+@pytest.mark.parametrize(
+    "config,expected",
+    [
+        (dict(data=-1, fsdp=1, model=1), (8, 1, 1)),
+        (dict(data=4, fsdp=1, model=2), (4, 1, 2)),
+        (dict(data=2, fsdp=-1, model=2), (2, 2, 2)),
+        (dict(data=1, fsdp=1, model=-1), (1, 1, 8)),
+    ],
+)
 def test_resolve_mesh_shape_fills_minus_one(config, expected):
     assert resolve_mesh_shape(config, 8) == expected
 
 
-@pytest.mark.parametrize("config,message", [
-    (dict(data=3, fsdp=1, model=1), "needs 3 devices but 8 are available"),
-    (dict(data=-1, fsdp=3, model=1), "not divisible by 3"),
-    (dict(data=-1, fsdp=-1, model=1), "at most one mesh axis may be -1"),
-    (dict(data=0, fsdp=1, model=1), "mesh.data=0 is not a valid axis size"),
-])
+@pytest.mark.parametrize(
+    "config,message",
+    [
+        (dict(data=3, fsdp=1, model=1), "needs 3 devices but 8 are available"),
+        (dict(data=-1, fsdp=3, model=1), "not divisible by 3"),
+        (dict(data=-1, fsdp=-1, model=1), "at most one mesh axis may be -1"),
+        (dict(data=0, fsdp=1, model=1), "mesh.data=0 is not a valid axis size"),
+    ],
+)
 def test_resolve_mesh_shape_errors_name_the_problem(config, message):
     with pytest.raises(sharding.MeshError, match=message):
         resolve_mesh_shape(config, 8)

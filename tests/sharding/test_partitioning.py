@@ -5,9 +5,8 @@ from jax.sharding import PartitionSpec as P
 
 import sharding
 from configs import default
-from detector.training import optim
-from detector.training import steps
 from detector.models.retinanet import create_model
+from detector.training import optim, steps
 from detector.training.train_state import describe_param_shardings, init_train_state, state_shardings
 
 
@@ -21,8 +20,10 @@ def test_logical_rules_reject_unknown_mesh_axis():
 def test_indivisible_dimension_stays_replicated():
     mesh = sharding.create_mesh(dict(data=1, fsdp=4, model=2))
     rules = (("conv_in", "fsdp"), ("conv_out", "model"))  # both dims, to test each is fitted
-    abstract = {"stem": jax.ShapeDtypeStruct((7, 7, 3, 16), jnp.float32),
-                "block": jax.ShapeDtypeStruct((3, 3, 16, 16), jnp.float32)}
+    abstract = {
+        "stem": jax.ShapeDtypeStruct((7, 7, 3, 16), jnp.float32),
+        "block": jax.ShapeDtypeStruct((3, 3, 16, 16), jnp.float32),
+    }
     logical = {"stem": P(None, None, "conv_in", "conv_out"), "block": P(None, None, "conv_in", "conv_out")}
     shardings = sharding.mesh_sharding_for_logical_specs(abstract, logical, mesh, rules)
     assert shardings["stem"].spec == P(None, None, None, "model")  # 3 input channels do not split 4 ways
@@ -42,8 +43,9 @@ def _sharded_state(mesh_config, rules=None):
     return state
 
 
-@pytest.mark.parametrize("mesh_config,axis", [(dict(data=4, fsdp=1, model=2), "model"),
-                                              (dict(data=2, fsdp=4, model=1), "fsdp")])
+@pytest.mark.parametrize(
+    "mesh_config,axis", [(dict(data=4, fsdp=1, model=2), "model"), (dict(data=2, fsdp=4, model=1), "fsdp")]
+)
 def test_parameters_and_optimizer_state_are_partitioned(mesh_config, axis):
     state = _sharded_state(mesh_config)
     specs = describe_param_shardings(state.params)

@@ -22,16 +22,19 @@ def _grads(conv_fn, x, kernel, strides, padding):
     return jax.jit(jax.value_and_grad(loss, argnums=(0, 1)))(x, kernel)
 
 
-@pytest.mark.parametrize("shape, kernel_size, strides, padding", [
-    ((2, 9, 10), 3, 1, "SAME"),
-    ((2, 10, 12), 3, 2, "SAME"),  # asymmetric: pads (0, 1)
-    ((2, 10, 12), 3, 2, ((1, 1), (1, 1))),  # torchvision's symmetric padding
-    ((1, 11, 9), 7, 2, ((3, 3), (3, 3))),
-    ((2, 8, 8), 1, 1, "VALID"),
-    ((2, 8, 8), 1, 2, "SAME"),
-    ((2, 8, 12), 4, 4, "VALID"),  # a patchify convolution: one matmul over patches
-    ((1, 9, 7), 3, 1, "VALID"),
-])
+@pytest.mark.parametrize(
+    "shape, kernel_size, strides, padding",
+    [
+        ((2, 9, 10), 3, 1, "SAME"),
+        ((2, 10, 12), 3, 2, "SAME"),  # asymmetric: pads (0, 1)
+        ((2, 10, 12), 3, 2, ((1, 1), (1, 1))),  # torchvision's symmetric padding
+        ((1, 11, 9), 7, 2, ((3, 3), (3, 3))),
+        ((2, 8, 8), 1, 1, "VALID"),
+        ((2, 8, 8), 1, 2, "SAME"),
+        ((2, 8, 12), 4, 4, "VALID"),  # a patchify convolution: one matmul over patches
+        ((1, 9, 7), 3, 1, "VALID"),
+    ],
+)
 def test_gradients_equal_xla_convolution(shape, kernel_size, strides, padding):
     rng = np.random.default_rng(0)
     x = jnp.asarray(rng.normal(size=(*shape, 32)), jnp.float32)
@@ -49,8 +52,7 @@ def test_bfloat16_kernel_gradient_accumulates_in_float32():
     dy = jnp.asarray(rng.normal(size=(4, 16, 16, 64)), jnp.bfloat16)
     dk = convolution.kernel_gradient(x, dy, (3, 3), (1, 1), ((1, 1), (1, 1)))
     assert dk.dtype == jnp.bfloat16 and dk.shape == (3, 3, 32, 64)
-    exact = convolution.kernel_gradient(x.astype(jnp.float32), dy.astype(jnp.float32), (3, 3), (1, 1),
-                                        ((1, 1), (1, 1)))
+    exact = convolution.kernel_gradient(x.astype(jnp.float32), dy.astype(jnp.float32), (3, 3), (1, 1), ((1, 1), (1, 1)))
     # One bf16 rounding of the result, not 4096 of partial sums.
     np.testing.assert_allclose(dk.astype(jnp.float32), exact, rtol=1e-2, atol=1e-2 * float(jnp.max(jnp.abs(exact))))
 
@@ -62,15 +64,29 @@ def _uses_custom_gradient(fn, *args) -> bool:
 def test_narrow_dilated_and_grouped_convolutions_keep_xla():
     x = jnp.zeros((1, 8, 8, 32))
     wide = jnp.zeros((3, 3, 32, 32))
-    assert _uses_custom_gradient(lambda x, k: convolution.conv_general_dilated(
-        x, k, (1, 1), "SAME", dimension_numbers=NHWC), x, wide)
+    assert _uses_custom_gradient(
+        lambda x, k: convolution.conv_general_dilated(x, k, (1, 1), "SAME", dimension_numbers=NHWC), x, wide
+    )
     # RGB input: XLA's own kernel gradient is faster for 3 channels.
-    assert not _uses_custom_gradient(lambda x, k: convolution.conv_general_dilated(
-        x, k, (2, 2), "SAME", dimension_numbers=NHWC), jnp.zeros((1, 8, 8, 3)), jnp.zeros((7, 7, 3, 64)))
-    assert not _uses_custom_gradient(lambda x, k: convolution.conv_general_dilated(
-        x, k, (1, 1), "SAME", rhs_dilation=(2, 2), dimension_numbers=NHWC), x, wide)
-    assert not _uses_custom_gradient(lambda x, k: convolution.conv_general_dilated(
-        x, k, (1, 1), "SAME", dimension_numbers=NHWC, feature_group_count=2), x, jnp.zeros((3, 3, 16, 32)))
+    assert not _uses_custom_gradient(
+        lambda x, k: convolution.conv_general_dilated(x, k, (2, 2), "SAME", dimension_numbers=NHWC),
+        jnp.zeros((1, 8, 8, 3)),
+        jnp.zeros((7, 7, 3, 64)),
+    )
+    assert not _uses_custom_gradient(
+        lambda x, k: convolution.conv_general_dilated(
+            x, k, (1, 1), "SAME", rhs_dilation=(2, 2), dimension_numbers=NHWC
+        ),
+        x,
+        wide,
+    )
+    assert not _uses_custom_gradient(
+        lambda x, k: convolution.conv_general_dilated(
+            x, k, (1, 1), "SAME", dimension_numbers=NHWC, feature_group_count=2
+        ),
+        x,
+        jnp.zeros((3, 3, 16, 32)),
+    )
 
 
 def test_layers_conv_trains_like_flax_conv():

@@ -68,8 +68,10 @@ def test_conv_on_canvas_equals_conv_per_level():
 def test_head_outputs_equal_level_by_level_application(norm):
     head = RetinaNetHead(num_classes=3, num_anchors=2, num_convs=2, features=8, norm=norm)
     rng = np.random.default_rng(2)
-    pyramid = {level: jnp.asarray(rng.normal(size=(2, h, w, 8)), jnp.float32)
-               for level, (h, w) in pyramid_shapes(64, 96, 3, 6).items()}
+    pyramid = {
+        level: jnp.asarray(rng.normal(size=(2, h, w, 8)), jnp.float32)
+        for level, (h, w) in pyramid_shapes(64, 96, 3, 6).items()
+    }
     params = head.init(jax.random.key(0), pyramid)
     logits, deltas = head.apply(params, pyramid)
     per_level = [head.apply(params, {level: x}) for level, x in sorted(pyramid.items())]

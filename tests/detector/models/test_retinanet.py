@@ -4,8 +4,8 @@ import jax.numpy as jnp
 import pytest
 
 from configs import default
-from detector.training import steps
 from detector.models.retinanet import create_model
+from detector.training import steps
 
 
 def _abstract_outputs(config, num_classes=4, batch=2):

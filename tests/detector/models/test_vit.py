@@ -13,8 +13,7 @@ from detector.models.vit import Block, ViT, _window_partition, _window_unpartiti
 
 
 def tiny_vit(**overrides) -> ViT:
-    kwargs = dict(embed_dim=32, depth=4, num_heads=4, window_size=2, global_attention_every=2,
-                  pretrain_image_size=64)
+    kwargs = dict(embed_dim=32, depth=4, num_heads=4, window_size=2, global_attention_every=2, pretrain_image_size=64)
     kwargs.update(overrides)
     return ViT(**kwargs)
 
@@ -75,10 +74,16 @@ def test_scanned_and_unrolled_blocks_compute_the_same_function():
     unrolled_params = {k: v for k, v in params.items() if k != "stages"}
     for stage in range(2):
         take = lambda tree, *index: jax.tree.map(lambda a: a[index], tree)  # noqa: E731
-        unrolled_params[f"stage{stage}"] = {"windowed0": take(params["stages"]["windowed"], stage, 0),
-                                            "global": take(params["stages"]["global"], stage)}
-    np.testing.assert_allclose(unrolled.apply({"params": unrolled_params}, images)[4],
-                               scanned.apply({"params": params}, images)[4], rtol=1e-5, atol=1e-5)
+        unrolled_params[f"stage{stage}"] = {
+            "windowed0": take(params["stages"]["windowed"], stage, 0),
+            "global": take(params["stages"]["global"], stage),
+        }
+    np.testing.assert_allclose(
+        unrolled.apply({"params": unrolled_params}, images)[4],
+        scanned.apply({"params": params}, images)[4],
+        rtol=1e-5,
+        atol=1e-5,
+    )
 
 
 def test_simple_feature_pyramid_builds_levels_3_to_7():
@@ -86,14 +91,22 @@ def test_simple_feature_pyramid_builds_levels_3_to_7():
     features = {4: jnp.zeros((2, 8, 8, 32))}
     pyramid = neck.apply(neck.init(jax.random.key(0), features), features)
     assert {level: x.shape[1:] for level, x in pyramid.items()} == {
-        3: (16, 16, 16), 4: (8, 8, 16), 5: (4, 4, 16), 6: (2, 2, 16), 7: (1, 1, 16)}
+        3: (16, 16, 16),
+        4: (8, 8, 16),
+        5: (4, 4, 16),
+        6: (2, 2, 16),
+        7: (1, 1, 16),
+    }
 
 
-@pytest.mark.parametrize("overrides, message", [
-    (dict(depth=5), "not a multiple of global_attention_every"),
-    (dict(num_heads=5), "not divisible by num_heads"),
-    (dict(patch_size=8), "patch_size=8"),
-])
+@pytest.mark.parametrize(
+    "overrides, message",
+    [
+        (dict(depth=5), "not a multiple of global_attention_every"),
+        (dict(num_heads=5), "not divisible by num_heads"),
+        (dict(patch_size=8), "patch_size=8"),
+    ],
+)
 def test_bad_vit_settings_name_the_config_key(overrides, message):
     with pytest.raises(ConfigError, match=message):
         tiny_vit(**overrides).init(jax.random.key(0), jnp.zeros((1, 64, 64, 3)))

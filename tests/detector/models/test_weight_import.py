@@ -21,21 +21,19 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
-
-from tests.helpers import REPO_ROOT
 from flax import traverse_util
 from jax import lax
 
+from benchmarks.synthetic import random_batch
 from configs import default, retinanet_r50_coco
 from detector import cli
-from detector.training import optim
-from detector.models import weight_import
-from detector.training import steps
-from detector.models.resnet import ResNet, frozen_parameter_mask
 from detector.errors import ConfigError, WeightsFileError
+from detector.models import weight_import
+from detector.models.resnet import ResNet, frozen_parameter_mask
 from detector.models.retinanet import create_model
+from detector.training import optim, steps
 from detector.training.train_state import TrainState
-from benchmarks.synthetic import random_batch
+from tests.helpers import REPO_ROOT
 
 BN_TENSORS = ("weight", "bias", "running_mean", "running_var")
 
@@ -47,8 +45,9 @@ def torchvision_state_dict(stage_sizes=(1, 1, 1, 1), width=8, bottleneck=True, n
 
     def add_conv(name, out_channels, in_channels, kernel):
         std = np.sqrt(2.0 / (in_channels * kernel * kernel))
-        state[f"{name}.weight"] = rng.standard_normal((out_channels, in_channels, kernel, kernel),
-                                                      dtype=np.float32) * np.float32(std)
+        state[f"{name}.weight"] = rng.standard_normal(
+            (out_channels, in_channels, kernel, kernel), dtype=np.float32
+        ) * np.float32(std)
 
     def add_bn(name, channels):
         state[f"{name}.weight"] = rng.uniform(0.5, 1.5, channels).astype(np.float32)
@@ -93,9 +92,14 @@ def reference_features(state, images_nchw, stage_sizes, bottleneck=True):
     def conv(x, name, stride=1):
         weight = jnp.asarray(state[f"{name}.weight"])  # OIHW, as torch stores it
         pad = weight.shape[-1] // 2
-        return lax.conv_general_dilated(x, weight, (stride, stride), [(pad, pad), (pad, pad)],
-                                        dimension_numbers=("NCHW", "OIHW", "NCHW"),
-                                        precision=lax.Precision.HIGHEST)
+        return lax.conv_general_dilated(
+            x,
+            weight,
+            (stride, stride),
+            [(pad, pad), (pad, pad)],
+            dimension_numbers=("NCHW", "OIHW", "NCHW"),
+            precision=lax.Precision.HIGHEST,
+        )
 
     def batch_norm(x, name):
         weight, bias, mean, var = (jnp.asarray(state[f"{name}.{t}"]).reshape(1, -1, 1, 1) for t in BN_TENSORS)
@@ -132,19 +136,24 @@ def assert_features_match(ours_nhwc, reference_nchw):
     for level, expected in reference_nchw.items():
         expected = np.asarray(expected).transpose(0, 2, 3, 1)
         scale = max(1.0, float(np.abs(expected).max()))
-        np.testing.assert_allclose(np.asarray(ours_nhwc[level]), expected, rtol=1e-4, atol=1e-4 * scale,
-                                   err_msg=f"C{level}")
+        np.testing.assert_allclose(
+            np.asarray(ours_nhwc[level]), expected, rtol=1e-4, atol=1e-4 * scale, err_msg=f"C{level}"
+        )
 
 
 def random_images(size, batch=2, seed=1):
     return np.random.default_rng(seed).standard_normal((batch, 3, *size)).astype(np.float32)
 
 
-@pytest.mark.parametrize("bottleneck,stage_sizes,size", [
-    (True, (2, 1, 1, 1), (32, 32)),
-    (True, (1, 1, 1, 1), (33, 31)),  # odd sizes: symmetric padding must still line up with torch's
-    (False, (1, 2, 1, 1), (32, 32)),
-], ids=["bottleneck", "bottleneck_odd_size", "basic"])
+@pytest.mark.parametrize(
+    "bottleneck,stage_sizes,size",
+    [
+        (True, (2, 1, 1, 1), (32, 32)),
+        (True, (1, 1, 1, 1), (33, 31)),  # odd sizes: symmetric padding must still line up with torch's
+        (False, (1, 2, 1, 1), (32, 32)),
+    ],
+    ids=["bottleneck", "bottleneck_odd_size", "basic"],
+)
 def test_converted_backbone_matches_reference_forward(bottleneck, stage_sizes, size):
     state = torchvision_state_dict(stage_sizes, bottleneck=bottleneck)
     params = weight_import.convert_torchvision_resnet(state, stage_sizes)
@@ -176,15 +185,18 @@ def test_resnet50_layout_converts_and_loads_into_the_model(tmp_path):
         assert boxed.value.shape == model_leaves[name].value.shape, name
         assert boxed.value.dtype == np.float32
     np.testing.assert_array_equal(loaded_leaves["stem_conv/kernel"].value, state["conv1.weight"].transpose(2, 3, 1, 0))
-    np.testing.assert_array_equal(loaded_leaves["stage3_block6/Conv_2/kernel"].value,
-                                  state["layer3.5.conv3.weight"].transpose(2, 3, 1, 0))
-    np.testing.assert_array_equal(loaded_leaves["stage4_block1/Conv_3/kernel"].value,
-                                  state["layer4.0.downsample.0.weight"].transpose(2, 3, 1, 0))
+    np.testing.assert_array_equal(
+        loaded_leaves["stage3_block6/Conv_2/kernel"].value, state["layer3.5.conv3.weight"].transpose(2, 3, 1, 0)
+    )
+    np.testing.assert_array_equal(
+        loaded_leaves["stage4_block1/Conv_3/kernel"].value, state["layer4.0.downsample.0.weight"].transpose(2, 3, 1, 0)
+    )
     weight, bias, mean, var = (state[f"layer2.3.bn2.{t}"].astype(np.float64) for t in BN_TENSORS)
     scale = weight / np.sqrt(var + 1e-5)
     np.testing.assert_allclose(loaded_leaves["stage2_block4/FrozenBatchNorm_1/scale"].value, scale, rtol=1e-6)
-    np.testing.assert_allclose(loaded_leaves["stage2_block4/FrozenBatchNorm_1/bias"].value, bias - mean * scale,
-                               rtol=1e-6, atol=1e-7)
+    np.testing.assert_allclose(
+        loaded_leaves["stage2_block4/FrozenBatchNorm_1/bias"].value, bias - mean * scale, rtol=1e-6, atol=1e-7
+    )
 
 
 # Runs in its own process: torchvision can crash on import next to TensorFlow,
@@ -219,14 +231,24 @@ def test_matches_torchvision_resnet50(tmp_path):
         pytest.skip("torch and torchvision are not installed (pip install -e '.[bench]')")
     images = random_images((64, 64), batch=1)
     np.save(tmp_path / "images.npy", images)
-    subprocess.run([sys.executable, "-c", _TORCHVISION_RESNET50_FEATURES, str(tmp_path / "images.npy"),
-                    str(tmp_path / "torchvision.npz")], check=True, timeout=300)
+    subprocess.run(
+        [
+            sys.executable,
+            "-c",
+            _TORCHVISION_RESNET50_FEATURES,
+            str(tmp_path / "images.npy"),
+            str(tmp_path / "torchvision.npz"),
+        ],
+        check=True,
+        timeout=300,
+    )
     arrays = np.load(tmp_path / "torchvision.npz")
-    state = {name[len("state."):]: arrays[name] for name in arrays.files if name.startswith("state.")}
+    state = {name[len("state.") :]: arrays[name] for name in arrays.files if name.startswith("state.")}
     expected = {level: arrays[f"level{level}"] for level in range(2, 6)}
     params = weight_import.convert_torchvision_resnet(state)
-    ours = ResNet((3, 4, 6, 3), 64, "bottleneck", norm="frozen_bn").apply({"params": params},
-                                                                          images.transpose(0, 2, 3, 1))
+    ours = ResNet((3, 4, 6, 3), 64, "bottleneck", norm="frozen_bn").apply(
+        {"params": params}, images.transpose(0, 2, 3, 1)
+    )
     assert_features_match(ours, expected)
 
 
@@ -253,16 +275,22 @@ def test_unexpected_tensors_are_named_and_counted():
 def test_shape_mismatch_names_the_tensor_and_both_shapes():
     state = torchvision_state_dict()
     state["layer2.0.conv2.weight"] = np.zeros((16, 16, 1, 1), np.float32)
-    with pytest.raises(WeightsFileError, match=r"layer2\.0\.conv2\.weight has shape \(16, 16, 1, 1\); "
-                                               r"this ResNet needs \(16, 16, 3, 3\)"):
+    with pytest.raises(
+        WeightsFileError,
+        match=r"layer2\.0\.conv2\.weight has shape \(16, 16, 1, 1\); "
+        r"this ResNet needs \(16, 16, 3, 3\)",
+    ):
         weight_import.convert_torchvision_resnet(state, (1, 1, 1, 1))
 
 
 def test_unknown_suffix_missing_file_and_missing_readers(tmp_path, monkeypatch):
     unknown = tmp_path / "weights.bin"
     unknown.write_bytes(b"")
-    with pytest.raises(WeightsFileError, match=r"weights\.bin: unknown weights file type '\.bin'; "
-                                               r"use one of \.npz, \.safetensors, \.pth, \.pt"):
+    with pytest.raises(
+        WeightsFileError,
+        match=r"weights\.bin: unknown weights file type '\.bin'; "
+        r"use one of \.npz, \.safetensors, \.pth, \.pt",
+    ):
         weight_import.read_state_dict(unknown)
     with pytest.raises(FileNotFoundError, match="no_such_weights.npz"):
         weight_import.read_state_dict(tmp_path / "no_such_weights.npz")
@@ -301,11 +329,19 @@ def test_cli_converts_to_npz_that_loads_into_the_model(tmp_path):
     env = {**os.environ, "JAX_PLATFORMS": "cpu"}
     command = [sys.executable, "-m", "detector.convert_pretrained"]
     # The model is built while the converter spends seconds importing.
-    converting = subprocess.Popen([*command, f"--input={tmp_path / 'resnet_tiny.npz'}", f"--output={output}"],
-                                  cwd=REPO_ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    converting = subprocess.Popen(
+        [*command, f"--input={tmp_path / 'resnet_tiny.npz'}", f"--output={output}"],
+        cwd=REPO_ROOT,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     model = ResNet((1, 1, 1, 1), 8, norm="frozen_bn")
-    params = {"backbone": nn.meta.unbox(jax.jit(model.init)(jax.random.key(0), jnp.zeros((1, 32, 32, 3)))["params"]),
-              "head": {"kernel": jnp.ones((3, 3, 8, 8))}}
+    params = {
+        "backbone": nn.meta.unbox(jax.jit(model.init)(jax.random.key(0), jnp.zeros((1, 32, 32, 3)))["params"]),
+        "head": {"kernel": jnp.ones((3, 3, 8, 8))},
+    }
     images = random_images((32, 32))
     expected = reference_features(_tensors(state), images, (1, 1, 1, 1))
 
@@ -329,24 +365,34 @@ def test_loading_checks_the_model(tmp_path):
     np.savez(tmp_path / "torchvision.npz", **torchvision_state_dict((1, 1, 1, 1)))
     group_norm_model = ResNet((1, 1, 1, 1), 8)
     params = {"backbone": jax.eval_shape(group_norm_model.init, jax.random.key(0), jnp.zeros((1, 32, 32, 3)))["params"]}
-    with pytest.raises(WeightsFileError, match=r"missing \(.*GroupNorm.*unexpected \(.*FrozenBatchNorm"
-                                               r".*config\.model\.backbone\.norm='frozen_bn'"):
+    with pytest.raises(
+        WeightsFileError,
+        match=r"missing \(.*GroupNorm.*unexpected \(.*FrozenBatchNorm"
+        r".*config\.model\.backbone\.norm='frozen_bn'",
+    ):
         weight_import.load_backbone_params(params, tmp_path / "torchvision.npz")
 
     deeper = ResNet((2, 1, 1, 1), 8, norm="frozen_bn")
     params = {"backbone": jax.eval_shape(deeper.init, jax.random.key(0), jnp.zeros((1, 32, 32, 3)))["params"]}
-    with pytest.raises(WeightsFileError, match=r"torchvision\.npz: .*stage sizes \(2, 1, 1, 1\).*missing "
-                                               r"\(layer1\.1\.bn1\.bias"):
+    with pytest.raises(
+        WeightsFileError,
+        match=r"torchvision\.npz: .*stage sizes \(2, 1, 1, 1\).*missing "
+        r"\(layer1\.1\.bn1\.bias",
+    ):
         weight_import.load_backbone_params(params, tmp_path / "torchvision.npz")
 
     ours = weight_import.flatten_backbone_params(
-        weight_import.convert_torchvision_resnet(torchvision_state_dict((1, 1, 1, 1)), (1, 1, 1, 1)))
+        weight_import.convert_torchvision_resnet(torchvision_state_dict((1, 1, 1, 1)), (1, 1, 1, 1))
+    )
     ours["stage3_block1/FrozenBatchNorm_2/scale"] = np.ones(7, np.float32)
     np.savez(tmp_path / "ours.npz", **ours)
     model = ResNet((1, 1, 1, 1), 8, norm="frozen_bn")
     params = {"backbone": jax.eval_shape(model.init, jax.random.key(0), jnp.zeros((1, 32, 32, 3)))["params"]}
-    with pytest.raises(WeightsFileError, match=r"ours\.npz: tensor stage3_block1/FrozenBatchNorm_2/scale has "
-                                               r"shape \(7,\); the model's is \(128,\)"):
+    with pytest.raises(
+        WeightsFileError,
+        match=r"ours\.npz: tensor stage3_block1/FrozenBatchNorm_2/scale has "
+        r"shape \(7,\); the model's is \(128,\)",
+    ):
         weight_import.load_backbone_params(params, tmp_path / "ours.npz")
 
 
@@ -362,7 +408,8 @@ def test_group_norm_keeps_its_parameter_names():
 
     frozen = ResNet((1, 1, 1, 1), 8, norm="frozen_bn")
     boxed = traverse_util.flatten_dict(
-        jax.eval_shape(frozen.init, jax.random.key(0), jnp.zeros((1, 32, 32, 3)))["params"], sep="/")
+        jax.eval_shape(frozen.init, jax.random.key(0), jnp.zeros((1, 32, 32, 3)))["params"], sep="/"
+    )
     assert {name.replace("FrozenBatchNorm", "GroupNorm") for name in boxed} == expected
     assert boxed["stage2_block1/FrozenBatchNorm_1/scale"].names == ("conv_out",)
 
@@ -381,12 +428,15 @@ def test_optimizer_keeps_frozen_parameters_fixed():
     config = _tiny_frozen_bn_config(freeze_stages=2)
     backbone = ResNet((1, 1, 1, 1), 8, norm="frozen_bn")
     shapes = nn.meta.unbox(jax.eval_shape(backbone.init, jax.random.key(0), jnp.zeros((1, 32, 32, 3)))["params"])
-    params = {"backbone": jax.tree.map(lambda x: jnp.ones(x.shape, x.dtype), shapes),
-              "head": {"cls_logits": {"kernel": jnp.ones((3, 3, 8, 4)), "bias": jnp.ones(4)}}}
+    params = {
+        "backbone": jax.tree.map(lambda x: jnp.ones(x.shape, x.dtype), shapes),
+        "head": {"cls_logits": {"kernel": jnp.ones((3, 3, 8, 4)), "bias": jnp.ones(4)}},
+    }
     grads = jax.tree.map(jnp.ones_like, params)
     names = traverse_util.flatten_dict(params, sep="/")
-    expected_frozen = ({name for name in names if "FrozenBatchNorm" in name}
-                       | {name for name in names if name.startswith(("backbone/stem_", "backbone/stage1_"))})
+    expected_frozen = {name for name in names if "FrozenBatchNorm" in name} | {
+        name for name in names if name.startswith(("backbone/stem_", "backbone/stage1_"))
+    }
     assert "backbone/stage1_block1/Conv_0/kernel" in expected_frozen
     assert "backbone/stage2_block1/Conv_0/kernel" not in expected_frozen
     for name in ("sgd", "adamw"):
@@ -400,7 +450,8 @@ def test_optimizer_keeps_frozen_parameters_fixed():
 
         new_params = step(params)
         changed = traverse_util.flatten_dict(
-            jax.tree.map(lambda a, b: bool(jnp.any(a != b)), params, new_params), sep="/")
+            jax.tree.map(lambda a, b: bool(jnp.any(a != b)), params, new_params), sep="/"
+        )
         assert {k for k, moved in changed.items() if not moved} == expected_frozen, name
 
 
@@ -429,21 +480,30 @@ def test_freeze_stages_follows_detectron2_freeze_at():
 
 def test_frozen_stages_get_no_backward_pass():
     """Freezing drops the frozen layers' gradients from the step's program: fewer FLOPs."""
+
     def step_flops(skip_frozen_gradients):
         config = _tiny_frozen_bn_config(freeze_stages=5)
         config.global_batch_size = 2
         config.input.image_size = (64, 64)
         model = create_model(config.model, 3, steps.num_anchors_per_location(config))
         tx, schedule = optim.create_optimizer(config.optimizer, 10, model_config=config.model)
-        step = jax.jit(functools.partial(steps.train_step, model=model, tx=tx, schedule=schedule,
-                                         anchors=steps.anchors_for_config(config), loss_config=config.loss,
-                                         num_classes=3,
-                                         frozen=optim.frozen_parameters(config.model) if skip_frozen_gradients
-                                         else None))
+        step = jax.jit(
+            functools.partial(
+                steps.train_step,
+                model=model,
+                tx=tx,
+                schedule=schedule,
+                anchors=steps.anchors_for_config(config),
+                loss_config=config.loss,
+                num_classes=3,
+                frozen=optim.frozen_parameters(config.model) if skip_frozen_gradients else None,
+            )
+        )
         images = jnp.zeros((1, *config.input.image_size, 3))
         params = nn.meta.unbox(jax.eval_shape(model.init, jax.random.key(0), images)["params"])
-        state = TrainState(step=jax.ShapeDtypeStruct((), jnp.int32), params=params,
-                           opt_state=jax.eval_shape(tx.init, params))
+        state = TrainState(
+            step=jax.ShapeDtypeStruct((), jnp.int32), params=params, opt_state=jax.eval_shape(tx.init, params)
+        )
         return step.lower(state, random_batch(config, 3)).cost_analysis()["flops"]
 
     all_flops = step_flops(False)

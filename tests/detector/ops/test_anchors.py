@@ -12,14 +12,17 @@ from detector.ops import box_ops
 
 RATIOS = (0.5, 1.0, 2.0)
 # Jitted: one compile per shape is much faster than eager op-by-op dispatch.
-assign = jax.jit(anchors_lib.assign_targets,
-                 static_argnames=("allow_low_quality_matches", "box_coder_weights"))
+assign = jax.jit(anchors_lib.assign_targets, static_argnames=("allow_low_quality_matches", "box_coder_weights"))
 
 
 def _centres_and_sizes(boxes):
     boxes = np.asarray(boxes, np.float64)
-    return ((boxes[..., 0] + boxes[..., 2]) / 2, (boxes[..., 1] + boxes[..., 3]) / 2,
-            boxes[..., 2] - boxes[..., 0], boxes[..., 3] - boxes[..., 1])
+    return (
+        (boxes[..., 0] + boxes[..., 2]) / 2,
+        (boxes[..., 1] + boxes[..., 3]) / 2,
+        boxes[..., 2] - boxes[..., 0],
+        boxes[..., 3] - boxes[..., 1],
+    )
 
 
 def test_count_and_order_hand_computed():
@@ -32,11 +35,18 @@ def test_count_and_order_hand_computed():
 
     # First anchor: level 3, row 0, column 0, scale 0, ratio 0.5 (h/w).
     size = 4.0 * 8
-    np.testing.assert_allclose(anchors[0], [4 - size * math.sqrt(0.5) / 2, 4 - size / math.sqrt(0.5) / 2,
-                                            4 + size * math.sqrt(0.5) / 2, 4 + size / math.sqrt(0.5) / 2],
-                               rtol=1e-6)
+    np.testing.assert_allclose(
+        anchors[0],
+        [
+            4 - size * math.sqrt(0.5) / 2,
+            4 - size / math.sqrt(0.5) / 2,
+            4 + size * math.sqrt(0.5) / 2,
+            4 + size / math.sqrt(0.5) / 2,
+        ],
+        rtol=1e-6,
+    )
     np.testing.assert_allclose(anchors[1], [-12.0, -12.0, 20.0, 20.0])  # ratio 1
-    assert h[2] / w[2] == pytest.approx(2.0)                            # ratio 2
+    assert h[2] / w[2] == pytest.approx(2.0)  # ratio 2
     # Scale-major: anchors 3..5 are scale 2**(1/2) with ratios 0.5, 1, 2.
     np.testing.assert_allclose(h[4], size * 2**0.5, rtol=1e-6)
     np.testing.assert_allclose(h[3] / w[3], 0.5, rtol=1e-6)
@@ -63,21 +73,27 @@ def test_grid_rounds_up_and_area_preserved():
 
 
 # Hand-built anchors, kept tiny so every IoU is easy to compute by hand.
-ANCHORS = np.array([
-    [0, 0, 10, 10],       # a0
-    [0, 10, 10, 20],      # a1
-    [20, 20, 40, 40],     # a2
-    [50, 50, 60, 60],     # a3
-    [0, 0, 100, 100],     # a4
-    [200, 200, 210, 210],  # a5
-], np.float32)
-GT_BOXES = np.array([
-    [20, 20, 40, 40],     # g0 == a2
-    [0, 0, 10, 22],       # g1: IoU 100/220 with a0 and with a1 (ignore band)
-    [52, 52, 54, 54],     # g2: small, IoU 0.04 with a3
-    [50, 50, 60, 60],     # padding that would match a3 exactly
-    [300, 300, 310, 310],  # g4: overlaps no anchor at all
-], np.float32)
+ANCHORS = np.array(
+    [
+        [0, 0, 10, 10],  # a0
+        [0, 10, 10, 20],  # a1
+        [20, 20, 40, 40],  # a2
+        [50, 50, 60, 60],  # a3
+        [0, 0, 100, 100],  # a4
+        [200, 200, 210, 210],  # a5
+    ],
+    np.float32,
+)
+GT_BOXES = np.array(
+    [
+        [20, 20, 40, 40],  # g0 == a2
+        [0, 0, 10, 22],  # g1: IoU 100/220 with a0 and with a1 (ignore band)
+        [52, 52, 54, 54],  # g2: small, IoU 0.04 with a3
+        [50, 50, 60, 60],  # padding that would match a3 exactly
+        [300, 300, 310, 310],  # g4: overlaps no anchor at all
+    ],
+    np.float32,
+)
 GT_LABELS = np.array([3, 1, 5, 7, 2], np.int32)
 GT_MASK = np.array([True, True, True, False, True])
 
@@ -89,8 +105,7 @@ def test_assign_hand_built_with_low_quality_matches():
     np.testing.assert_array_equal(out["labels"], [1, 1, 3, 5, -1, -1])
     np.testing.assert_array_equal(out["ignore"], [False] * 6)
     np.testing.assert_allclose(out["box_targets"][2], 0.0, atol=1e-6)
-    np.testing.assert_allclose(out["box_targets"][0],
-                               box_ops.encode_boxes(GT_BOXES[1], ANCHORS[0]), rtol=1e-6)
+    np.testing.assert_allclose(out["box_targets"][0], box_ops.encode_boxes(GT_BOXES[1], ANCHORS[0]), rtol=1e-6)
     np.testing.assert_array_equal(out["box_targets"][4:], 0.0)
     np.testing.assert_array_equal(out["matched_gt_boxes"][:4], GT_BOXES[[1, 1, 0, 2]])
     np.testing.assert_array_equal(out["matched_gt_boxes"][4:], 0.0)
@@ -98,8 +113,7 @@ def test_assign_hand_built_with_low_quality_matches():
 
 
 def test_assign_hand_built_without_low_quality_matches():
-    out = assign(ANCHORS, GT_BOXES, GT_LABELS, GT_MASK,
-                                     allow_low_quality_matches=False)
+    out = assign(ANCHORS, GT_BOXES, GT_LABELS, GT_MASK, allow_low_quality_matches=False)
     np.testing.assert_array_equal(out["positive"], [False, False, True, False, False, False])
     np.testing.assert_array_equal(out["ignore"], [True, True, False, False, False, False])
     np.testing.assert_array_equal(out["labels"], [-1, -1, 3, -1, -1, -1])
@@ -113,8 +127,11 @@ def test_padded_gts_never_match():
     # Adding padded slots (even copies of real boxes) changes nothing.
     base = assign(ANCHORS, GT_BOXES[:3], GT_LABELS[:3], GT_MASK[:3])
     padded = assign(
-        ANCHORS, np.concatenate([GT_BOXES[:3], ANCHORS[:3]]),
-        np.concatenate([GT_LABELS[:3], [9, 9, 9]]), np.concatenate([GT_MASK[:3], [False] * 3]))
+        ANCHORS,
+        np.concatenate([GT_BOXES[:3], ANCHORS[:3]]),
+        np.concatenate([GT_LABELS[:3], [9, 9, 9]]),
+        np.concatenate([GT_MASK[:3], [False] * 3]),
+    )
     for key in ("labels", "box_targets", "positive", "ignore", "matched_gt_boxes"):
         np.testing.assert_array_equal(base[key], padded[key])
 
@@ -137,8 +154,7 @@ def test_assign_jit_vmap_over_batch():
 
     @jax.jit
     def assign_batch(b, l, m):
-        return jax.vmap(lambda b1, l1, m1: anchors_lib.assign_targets(jnp.asarray(ANCHORS), b1, l1, m1))(
-            b, l, m)
+        return jax.vmap(lambda b1, l1, m1: anchors_lib.assign_targets(jnp.asarray(ANCHORS), b1, l1, m1))(b, l, m)
 
     out = assign_batch(boxes, labels, mask)
     assert out["box_targets"].shape == (2, len(ANCHORS), 4)

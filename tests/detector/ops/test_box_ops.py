@@ -49,9 +49,13 @@ def test_pairwise_iou_empty_union_is_zero_and_broadcasts():
 
 
 def test_area_and_elementwise_iou():
-    boxes = jnp.array([[0.0, 0.0, 2.0, 3.0],
-                       [5.0, 5.0, 5.0, 9.0],    # zero height
-                       [5.0, 5.0, 3.0, 9.0]])   # inverted: not negative
+    boxes = jnp.array(
+        [
+            [0.0, 0.0, 2.0, 3.0],
+            [5.0, 5.0, 5.0, 9.0],  # zero height
+            [5.0, 5.0, 3.0, 9.0],
+        ]
+    )  # inverted: not negative
     np.testing.assert_array_equal(box_ops.area(boxes), [6.0, 0.0, 0.0])
     a = jnp.array([0.0, 0.0, 10.0, 10.0])
     b = jnp.array([0.0, 5.0, 10.0, 15.0])
@@ -87,17 +91,15 @@ def test_encode_decode_round_trip(weights):
     anchors = _random_boxes_yxyx(rng, 64)
     deltas = box_ops.encode_boxes(boxes, anchors, weights)
     assert deltas.shape == (64, 4)
-    np.testing.assert_allclose(box_ops.decode_boxes(deltas, anchors, weights), boxes,
-                               rtol=1e-5, atol=1e-3)
+    np.testing.assert_allclose(box_ops.decode_boxes(deltas, anchors, weights), boxes, rtol=1e-5, atol=1e-3)
     # A box equal to its anchor encodes to zeros.
     np.testing.assert_allclose(box_ops.encode_boxes(anchors, anchors, weights), 0.0, atol=1e-6)
 
 
 def test_encode_known_values_and_degenerate_box():
-    anchor = jnp.array([0.0, 0.0, 10.0, 20.0])   # centre (5, 10), h 10, w 20
-    box = jnp.array([5.0, 0.0, 25.0, 10.0])      # centre (15, 5), h 20, w 10
-    np.testing.assert_allclose(box_ops.encode_boxes(box, anchor),
-                               [1.0, -0.25, math.log(2.0), math.log(0.5)], rtol=1e-6)
+    anchor = jnp.array([0.0, 0.0, 10.0, 20.0])  # centre (5, 10), h 10, w 20
+    box = jnp.array([5.0, 0.0, 25.0, 10.0])  # centre (15, 5), h 20, w 10
+    np.testing.assert_allclose(box_ops.encode_boxes(box, anchor), [1.0, -0.25, math.log(2.0), math.log(0.5)], rtol=1e-6)
     assert np.all(np.isfinite(box_ops.encode_boxes(jnp.zeros(4), anchor)))
 
 
@@ -105,16 +107,16 @@ def test_decode_clamps_log_scale():
     anchor = jnp.array([0.0, 0.0, 16.0, 16.0])
     out = box_ops.decode_boxes(jnp.array([0.0, 0.0, 100.0, 100.0]), anchor)
     side = 16.0 * 1000.0 / 16.0
-    np.testing.assert_allclose(out, [8 - side / 2, 8 - side / 2, 8 + side / 2, 8 + side / 2],
-                               rtol=1e-5)
+    np.testing.assert_allclose(out, [8 - side / 2, 8 - side / 2, 8 + side / 2, 8 + side / 2], rtol=1e-5)
     out = box_ops.decode_boxes(jnp.array([0.0, 0.0, 3.0, 3.0]), anchor, max_log_scale=1.0)
     np.testing.assert_allclose(out[2] - out[0], 16.0 * math.e, rtol=1e-5)
 
 
 def test_clip_boxes():
     boxes = jnp.array([[-5.0, -3.0, 50.0, 200.0], [10.0, 10.0, 20.0, 20.0]])
-    np.testing.assert_array_equal(box_ops.clip_boxes(boxes, 40, 100),
-                                  [[0.0, 0.0, 40.0, 100.0], [10.0, 10.0, 20.0, 20.0]])
+    np.testing.assert_array_equal(
+        box_ops.clip_boxes(boxes, 40, 100), [[0.0, 0.0, 40.0, 100.0], [10.0, 10.0, 20.0, 20.0]]
+    )
     # One size per image, broadcast over a [B, N] batch.
     batch = jnp.stack([boxes, boxes])
     clipped = box_ops.clip_boxes(batch, jnp.array([[40.0], [15.0]]), jnp.array([[100.0], [15.0]]))

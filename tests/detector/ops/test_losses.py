@@ -14,10 +14,13 @@ from detector.ops import losses
 NUM_CLASSES = 3
 ANCHORS = jnp.asarray(anchors_lib.generate_anchors(32, 32, 3, 4, 1, (0.5, 1.0, 2.0), 4.0))
 # Two images, up to 3 boxes each; the second image has one padded slot.
-GT_BOXES = jnp.array([
-    [[0, 0, 32, 32], [8, 4, 24, 12], [16, 16, 28, 30]],
-    [[2, 2, 20, 14], [10, 10, 31, 31], [0, 0, 0, 0]],
-], jnp.float32)
+GT_BOXES = jnp.array(
+    [
+        [[0, 0, 32, 32], [8, 4, 24, 12], [16, 16, 28, 30]],
+        [[2, 2, 20, 14], [10, 10, 31, 31], [0, 0, 0, 0]],
+    ],
+    jnp.float32,
+)
 GT_LABELS = jnp.array([[0, 2, 1], [1, 1, 0]], jnp.int32)
 GT_MASK = jnp.array([[True, True, True], [True, True, False]])
 
@@ -27,7 +30,7 @@ def _numpy_focal(x, t, alpha, gamma):
     p = 1 / (1 + np.exp(-x))
     ce = -(t * np.log(p) + (1 - t) * np.log(1 - p))
     p_t = p * t + (1 - p) * (1 - t)
-    loss = ce * (1 - p_t)**gamma
+    loss = ce * (1 - p_t) ** gamma
     if alpha >= 0:
         loss *= alpha * t + (1 - alpha) * (1 - t)
     return loss
@@ -47,12 +50,15 @@ def test_focal_loss_without_focusing_is_bce_and_stable():
     rng = np.random.default_rng(1)
     logits = rng.normal(0, 4, (6, 5)).astype(np.float32)
     targets = (rng.uniform(size=(6, 5)) < 0.5).astype(np.float32)
-    np.testing.assert_allclose(losses.sigmoid_focal_loss(logits, targets, alpha=-1.0, gamma=0.0),
-                               optax.sigmoid_binary_cross_entropy(logits, targets), rtol=1e-5, atol=1e-7)
+    np.testing.assert_allclose(
+        losses.sigmoid_focal_loss(logits, targets, alpha=-1.0, gamma=0.0),
+        optax.sigmoid_binary_cross_entropy(logits, targets),
+        rtol=1e-5,
+        atol=1e-7,
+    )
     extreme = jnp.array([-200.0, -30.0, 30.0, 200.0])
     for t in (0.0, 1.0):
-        value, grad = jax.value_and_grad(
-            lambda x: losses.sigmoid_focal_loss(x, jnp.full(4, t)).sum())(extreme)
+        value, grad = jax.value_and_grad(lambda x: losses.sigmoid_focal_loss(x, jnp.full(4, t)).sum())(extreme)
         assert np.isfinite(value) and np.all(np.isfinite(grad))
     # Confidently wrong costs about |logit| nats (times alpha_t * 1).
     wrong = losses.sigmoid_focal_loss(jnp.array([-200.0]), jnp.array([1.0]), alpha=-1.0)
@@ -61,8 +67,9 @@ def test_focal_loss_without_focusing_is_bce_and_stable():
 
 def test_huber_known_values():
     pred = jnp.array([0.0, 0.05, -0.05, 0.3, -2.0])
-    np.testing.assert_allclose(losses.huber_loss(pred, 0.0, 0.1),
-                               [0.0, 0.5 * 0.05**2 / 0.1, 0.5 * 0.05**2 / 0.1, 0.25, 1.95], rtol=1e-6)
+    np.testing.assert_allclose(
+        losses.huber_loss(pred, 0.0, 0.1), [0.0, 0.5 * 0.05**2 / 0.1, 0.5 * 0.05**2 / 0.1, 0.25, 1.95], rtol=1e-6
+    )
     np.testing.assert_allclose(losses.huber_loss(pred, 0.0, 0.0), jnp.abs(pred))
     np.testing.assert_allclose(losses.huber_loss(jnp.array([1.0]), jnp.array([0.5]), 1.0), [0.125])
     # Continuous at the switch point.
@@ -72,8 +79,7 @@ def test_huber_known_values():
 
 @jax.jit
 def _assign():
-    return jax.vmap(lambda b, l, m: anchors_lib.assign_targets(ANCHORS, b, l, m))(
-        GT_BOXES, GT_LABELS, GT_MASK)
+    return jax.vmap(lambda b, l, m: anchors_lib.assign_targets(ANCHORS, b, l, m))(GT_BOXES, GT_LABELS, GT_MASK)
 
 
 def _perfect_predictions(assigned, wrong_class=False):
@@ -85,8 +91,7 @@ def _perfect_predictions(assigned, wrong_class=False):
     return logits, assigned["box_targets"]
 
 
-_jitted_loss = jax.jit(functools.partial(losses.retinanet_loss, num_classes=NUM_CLASSES),
-                       static_argnames=("box_loss",))
+_jitted_loss = jax.jit(functools.partial(losses.retinanet_loss, num_classes=NUM_CLASSES), static_argnames=("box_loss",))
 
 
 def loss_fn(*args, box_loss="huber", box_loss_weight=1.0, example_mask=None):
@@ -94,8 +99,9 @@ def loss_fn(*args, box_loss="huber", box_loss_weight=1.0, example_mask=None):
     # box_loss, far cheaper than eager dispatch or a compile per call pattern.
     if example_mask is None:
         example_mask = jnp.ones(args[0].shape[0], jnp.float32)
-    return _jitted_loss(*args, box_loss=box_loss, box_loss_weight=box_loss_weight,
-                        example_mask=jnp.asarray(example_mask, jnp.float32))
+    return _jitted_loss(
+        *args, box_loss=box_loss, box_loss_weight=box_loss_weight, example_mask=jnp.asarray(example_mask, jnp.float32)
+    )
 
 
 @pytest.mark.parametrize("box_loss", ["huber", "giou"])
@@ -109,13 +115,13 @@ def test_perfect_predictions_give_zero_loss(box_loss):
     assert float(total) == pytest.approx(float(terms["cls_loss"] + terms["box_loss"]), abs=1e-7)
 
     wrong_logits, _ = _perfect_predictions(assigned, wrong_class=True)
-    wrong_total, wrong_terms = loss_fn(wrong_logits, deltas, ANCHORS, GT_BOXES, GT_LABELS, GT_MASK,
-                                       box_loss=box_loss)
+    wrong_total, wrong_terms = loss_fn(wrong_logits, deltas, ANCHORS, GT_BOXES, GT_LABELS, GT_MASK, box_loss=box_loss)
     assert float(wrong_terms["cls_loss"]) > 5.0
     assert float(wrong_terms["box_loss"]) < 1e-4
     # Bad boxes with the right classes: only the box term grows.
-    _, bad_box_terms = loss_fn(logits, deltas + 0.5, ANCHORS, GT_BOXES, GT_LABELS, GT_MASK,
-                               box_loss=box_loss, box_loss_weight=2.0)
+    _, bad_box_terms = loss_fn(
+        logits, deltas + 0.5, ANCHORS, GT_BOXES, GT_LABELS, GT_MASK, box_loss=box_loss, box_loss_weight=2.0
+    )
     assert float(bad_box_terms["box_loss"]) > 0.1 and float(bad_box_terms["cls_loss"]) < 1e-4
 
 
@@ -128,19 +134,28 @@ def test_loss_invariant_to_padded_gts_and_masked_examples():
     # Extra padded slots, some of them copies of anchors, change nothing.
     extra = jnp.broadcast_to(ANCHORS[:4], (2, 4, 4))
     padded_total, padded_terms = loss_fn(
-        logits, deltas, ANCHORS, jnp.concatenate([GT_BOXES, extra], 1),
+        logits,
+        deltas,
+        ANCHORS,
+        jnp.concatenate([GT_BOXES, extra], 1),
         jnp.concatenate([GT_LABELS, jnp.full((2, 4), 2, jnp.int32)], 1),
-        jnp.concatenate([GT_MASK, jnp.zeros((2, 4), bool)], 1))
+        jnp.concatenate([GT_MASK, jnp.zeros((2, 4), bool)], 1),
+    )
     np.testing.assert_allclose(padded_total, total, rtol=1e-6)
     np.testing.assert_allclose(padded_terms["num_positives"], terms["num_positives"])
 
     # A masked example contributes nothing, whatever its inputs and gts.
     keep_first = jnp.array([1.0, 0.0])
-    masked_total, masked_terms = loss_fn(logits, deltas, ANCHORS, GT_BOXES, GT_LABELS, GT_MASK,
-                                         example_mask=keep_first)
-    other_total, _ = loss_fn(logits.at[1].set(3.0), deltas.at[1].set(-1.0), ANCHORS,
-                             GT_BOXES.at[1].set(GT_BOXES[0]), GT_LABELS, GT_MASK.at[1].set(True),
-                             example_mask=keep_first)
+    masked_total, masked_terms = loss_fn(logits, deltas, ANCHORS, GT_BOXES, GT_LABELS, GT_MASK, example_mask=keep_first)
+    other_total, _ = loss_fn(
+        logits.at[1].set(3.0),
+        deltas.at[1].set(-1.0),
+        ANCHORS,
+        GT_BOXES.at[1].set(GT_BOXES[0]),
+        GT_LABELS,
+        GT_MASK.at[1].set(True),
+        example_mask=keep_first,
+    )
     np.testing.assert_allclose(other_total, masked_total, rtol=1e-6)
     np.testing.assert_allclose(masked_terms["num_positives"], _assign()["positive"][0].sum())
     assert float(masked_total) != pytest.approx(float(total))
@@ -158,9 +173,16 @@ def test_gradient_finite_under_jit_with_bf16_inputs():
     def grads(logits, deltas):
         out = {}
         for box_loss in ("huber", "giou"):
-            f = functools.partial(losses.retinanet_loss, anchors_yxyx=ANCHORS, gt_boxes_yxyx=GT_BOXES,
-                                  gt_labels=GT_LABELS, gt_mask=GT_MASK, num_classes=NUM_CLASSES,
-                                  box_loss=box_loss, example_mask=jnp.array([True, True]))
+            f = functools.partial(
+                losses.retinanet_loss,
+                anchors_yxyx=ANCHORS,
+                gt_boxes_yxyx=GT_BOXES,
+                gt_labels=GT_LABELS,
+                gt_mask=GT_MASK,
+                num_classes=NUM_CLASSES,
+                box_loss=box_loss,
+                example_mask=jnp.array([True, True]),
+            )
             out[box_loss] = jax.value_and_grad(f, argnums=(0, 1), has_aux=True)(logits, deltas)
         return out
 

@@ -31,29 +31,31 @@ def _nms(boxes, scores, iou_threshold, max_output_size):
     return postprocess.non_max_suppression(boxes, scores, iou_threshold, max_output_size)
 
 
-@pytest.mark.parametrize("seed,clustered,extent,iou_threshold,max_output_size", [
-    (0, True, 100.0, 0.5, 60),    # clusters of near-duplicates
-    (1, True, 100.0, 0.8, 60),
-    (2, False, 30.0, 0.3, 10),    # dense; output size binds
-    (3, False, 100.0, 0.7, 60),
-    (4, False, 300.0, 0.5, 60),   # sparse: most boxes survive
-    (5, False, 30.0, 0.0, 60),    # any overlap suppresses
-])
+@pytest.mark.parametrize(
+    "seed,clustered,extent,iou_threshold,max_output_size",
+    [
+        (0, True, 100.0, 0.5, 60),  # clusters of near-duplicates
+        (1, True, 100.0, 0.8, 60),
+        (2, False, 30.0, 0.3, 10),  # dense; output size binds
+        (3, False, 100.0, 0.7, 60),
+        (4, False, 300.0, 0.5, 60),  # sparse: most boxes survive
+        (5, False, 30.0, 0.0, 60),  # any overlap suppresses
+    ],
+)
 def test_nms_matches_tensorflow(seed, clustered, extent, iou_threshold, max_output_size):
     import tensorflow as tf
 
     rng = np.random.default_rng(seed)
     boxes, scores = _random_boxes_and_scores(rng, 60, extent, clustered)
     boxes[5] = boxes[4]  # an exact duplicate
-    want = tf.image.non_max_suppression(boxes, scores, max_output_size,
-                                        iou_threshold=iou_threshold).numpy().tolist()
+    want = tf.image.non_max_suppression(boxes, scores, max_output_size, iou_threshold=iou_threshold).numpy().tolist()
     indices, valid = _nms(boxes, scores, iou_threshold, max_output_size)
     assert indices.shape == (max_output_size,) and valid.shape == (max_output_size,)
     assert indices.dtype == jnp.int32
     indices, valid = np.asarray(indices), np.asarray(valid)
     assert indices[valid].tolist() == want
     # Valid slots come first; the rest are padding with index 0.
-    assert valid.sum() == len(want) and valid[:len(want)].all()
+    assert valid.sum() == len(want) and valid[: len(want)].all()
     np.testing.assert_array_equal(indices[~valid], 0)
 
 
@@ -100,8 +102,7 @@ def test_detect_is_class_aware():
     logits[1, 1, 1] = _logit(0.8)
     logits[1, 2, 0] = _logit(0.7)
     deltas = jnp.zeros((2, 3, 4))
-    out = _detect(jnp.asarray(logits), deltas, ANCHORS, SIZE_64, SIZE_64, score_threshold=0.05,
-                  max_detections=4)
+    out = _detect(jnp.asarray(logits), deltas, ANCHORS, SIZE_64, SIZE_64, score_threshold=0.05, max_detections=4)
 
     assert out["boxes"].shape == (2, 4, 4) and out["scores"].shape == (2, 4)
     assert out["classes"].shape == (2, 4) and out["valid"].shape == (2, 4)
@@ -122,9 +123,16 @@ def test_detect_score_threshold_top_k_and_clipping():
     logits[:, 0, 0] = _logit(0.45)
     # Large deltas push the boxes out of the image: they must come back clipped.
     deltas = jnp.zeros((2, 3, 4)).at[:, :, 2:].set(3.0)
-    out = _detect(jnp.asarray(logits), deltas, ANCHORS, jnp.array([64.0, 40.0]),
-                  jnp.array([64.0, 58.0]), score_threshold=0.4, max_detections=4,
-                  pre_nms_top_k=1000)  # more than A*C = 6: clamped
+    out = _detect(
+        jnp.asarray(logits),
+        deltas,
+        ANCHORS,
+        jnp.array([64.0, 40.0]),
+        jnp.array([64.0, 58.0]),
+        score_threshold=0.4,
+        max_detections=4,
+        pre_nms_top_k=1000,
+    )  # more than A*C = 6: clamped
     np.testing.assert_array_equal(out["valid"], [[1, 1, 0, 0]] * 2)
     np.testing.assert_allclose(out["scores"][:, :2], [[0.6, 0.45]] * 2, rtol=1e-5)
     np.testing.assert_array_equal(out["classes"][:, :2], [[1, 0]] * 2)
@@ -136,8 +144,9 @@ def test_detect_score_threshold_top_k_and_clipping():
     np.testing.assert_allclose(boxes[1, 0], [0.0, 0.0, 40.0, 58.0], atol=1e-4)
 
     # pre_nms_top_k smaller than the candidates keeps only the best ones.
-    out = _detect(jnp.asarray(logits), deltas, ANCHORS, SIZE_64, SIZE_64, score_threshold=0.05,
-                  max_detections=4, pre_nms_top_k=2)
+    out = _detect(
+        jnp.asarray(logits), deltas, ANCHORS, SIZE_64, SIZE_64, score_threshold=0.05, max_detections=4, pre_nms_top_k=2
+    )
     np.testing.assert_array_equal(out["valid"], [[1, 1, 0, 0]] * 2)
     np.testing.assert_allclose(out["scores"][0, :2], [0.6, 0.45], rtol=1e-5)
 
@@ -149,8 +158,7 @@ def test_detect_random_inputs_are_sorted_and_static():
     logits = jnp.asarray(rng.normal(-1.0, 2.0, (3, num_anchors, num_classes)), jnp.float32)
     deltas = jnp.asarray(rng.normal(0.0, 0.2, (3, num_anchors, 4)), jnp.float32)
     out = _detect(logits, deltas, anchors, 80, 80, pre_nms_top_k=50, max_detections=20)
-    for key, shape in (("boxes", (3, 20, 4)), ("scores", (3, 20)), ("classes", (3, 20)),
-                       ("valid", (3, 20))):
+    for key, shape in (("boxes", (3, 20, 4)), ("scores", (3, 20)), ("classes", (3, 20)), ("valid", (3, 20))):
         assert out[key].shape == shape
     scores = np.asarray(out["scores"])
     valid = np.asarray(out["valid"])

@@ -21,10 +21,14 @@ def _outputs_for(gt, scale, pad_example=True):
     num = len(gt["images"]) + int(pad_example)
     d = 4
     out = {
-        "boxes": np.zeros((num, d, 4), np.float32), "scores": np.zeros((num, d), np.float32),
-        "classes": np.zeros((num, d), np.int32), "valid": np.zeros((num, d), bool),
-        "image_id": np.full((num,), -1, np.int32), "scale": np.ones((num,), np.float32),
-        "original_size": np.zeros((num, 2), np.int32), "example_mask": np.zeros((num,), bool),
+        "boxes": np.zeros((num, d, 4), np.float32),
+        "scores": np.zeros((num, d), np.float32),
+        "classes": np.zeros((num, d), np.int32),
+        "valid": np.zeros((num, d), bool),
+        "image_id": np.full((num,), -1, np.int32),
+        "scale": np.ones((num,), np.float32),
+        "original_size": np.zeros((num, 2), np.int32),
+        "example_mask": np.zeros((num,), bool),
     }
     for i, img in enumerate(gt["images"]):
         out["image_id"][i], out["scale"][i], out["example_mask"][i] = img["id"], scale, True

@@ -75,15 +75,18 @@ def test_boxes_partly_outside_are_clipped_to_the_border():
 
 
 def test_degenerate_nonfinite_padding_and_outside_boxes_draw_nothing():
-    boxes = np.array([
-        [np.nan, 1, 10, 10],
-        [5, 5, 5, 20],  # zero height
-        [10, 10, 5, 20],  # inverted
-        [0, 0, 0, 0],  # an invalid detection slot
-        [100, 100, 120, 120],  # entirely outside
-        [1, 1, 20, 20],  # padding label
-        [1, 1, 20, np.inf],
-    ], np.float32)
+    boxes = np.array(
+        [
+            [np.nan, 1, 10, 10],
+            [5, 5, 5, 20],  # zero height
+            [10, 10, 5, 20],  # inverted
+            [0, 0, 0, 0],  # an invalid detection slot
+            [100, 100, 120, 120],  # entirely outside
+            [1, 1, 20, 20],  # padding label
+            [1, 1, 20, np.inf],
+        ],
+        np.float32,
+    )
     labels = [0, 1, 2, 3, 4, -1, 5]
     assert np.array_equal(draw_detections(BLACK, boxes, labels), BLACK)
     assert np.array_equal(draw_detections(BLACK, [[1, 1, 20, 20]], [0], [np.nan]), BLACK)

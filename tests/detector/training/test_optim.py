@@ -3,8 +3,8 @@ import numpy as np
 import pytest
 
 from configs import default, retinanet_r50_coco
-from detector.training import optim
 from detector.errors import ConfigError
+from detector.training import optim
 
 
 def test_cosine_schedule_warms_up_then_decays_to_zero():

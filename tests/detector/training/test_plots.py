@@ -16,8 +16,16 @@ def _write_lines(path, records, cut_off_tail=None):
 
 
 def _train_records():
-    records = [{"step": step, "loss": 10.0 / step**2, "cls_loss": 6.0 / step**2, "box_loss": 4.0 / step**2,
-                "learning_rate": 0.01} for step in range(1, 30)]
+    records = [
+        {
+            "step": step,
+            "loss": 10.0 / step**2,
+            "cls_loss": 6.0 / step**2,
+            "box_loss": 4.0 / step**2,
+            "learning_rate": 0.01,
+        }
+        for step in range(1, 30)
+    ]
     records[3]["loss"] = None  # a non-finite value is logged as null
     return records
 
@@ -32,10 +40,14 @@ def _assert_png(path):
 
 def test_writes_loss_and_map_plots(tmp_path):
     _write_lines(tmp_path / TRAIN_METRICS_FILE, _train_records(), cut_off_tail='{"step": 30, "lo')
-    _write_lines(tmp_path / EVAL_METRICS_FILE, [
-        {"step": 10, "AP": 0.1, "AP50": 0.2, "AP75": 0.05, "APs": -1.0, "APm": 0.1, "APl": 0.2, "AR100": 0.3},
-        {"step": 20, "AP": 0.2, "AP50": -1.0, "AP75": 0.1, "APs": -1.0, "APm": 0.2, "APl": 0.3, "AR100": 0.4},
-    ], cut_off_tail='{"step": 30, "AP": 0.')
+    _write_lines(
+        tmp_path / EVAL_METRICS_FILE,
+        [
+            {"step": 10, "AP": 0.1, "AP50": 0.2, "AP75": 0.05, "APs": -1.0, "APm": 0.1, "APl": 0.2, "AR100": 0.3},
+            {"step": 20, "AP": 0.2, "AP50": -1.0, "AP75": 0.1, "APs": -1.0, "APm": 0.2, "APl": 0.3, "AR100": 0.4},
+        ],
+        cut_off_tail='{"step": 30, "AP": 0.',
+    )
 
     written = write_training_plots(str(tmp_path))
 
