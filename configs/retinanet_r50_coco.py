@@ -17,35 +17,19 @@ python -m detector.train --config=configs/retinanet_r50_coco.py --workdir=DIR \
 
 import ml_collections
 
-from configs import default
+from configs import common
 
 
 def get_config() -> ml_collections.ConfigDict:
-    config = default.get_config()
+    # Dataset, 1024 px inputs, neck, head, anchors: common.coco_2017.
+    config = common.coco_2017(common.base_config())
 
-    config.dataset.name = "coco/2017"
-    config.dataset.eval_split = "validation"
-
-    config.input.image_size = (1024, 1024)
-    config.input.max_boxes = 100
     config.input.scale_jitter = (0.8, 1.25)
-    config.input.prefetch = 4
 
-    config.model.backbone.stage_sizes = (3, 4, 6, 3)
-    config.model.backbone.width = 64
-    config.model.backbone.block = "bottleneck"
-    config.model.fpn_features = 256
-    config.model.head_convs = 4
-    config.model.head_features = 256
-    config.model.anchors.min_level = 3
-    config.model.anchors.max_level = 7
-    config.model.anchors.anchor_size = 4.0
+    config.model.backbone = common.resnet_backbone((3, 4, 6, 3), 64, "bottleneck")
 
     config.loss.box_loss = "huber"
     config.loss.huber_delta = 0.1
-
-    config.postprocess.pre_nms_top_k = 1000
-    config.postprocess.max_detections = 100
 
     config.optimizer.name = "sgd"
     config.optimizer.learning_rate = 0.01
@@ -57,7 +41,5 @@ def get_config() -> ml_collections.ConfigDict:
     config.global_batch_size = 16
     config.eval_batch_size = 16
     config.total_steps = 90_000
-    config.log_every_steps = 100
-    config.eval_every_steps = 10_000
     config.checkpoint_every_steps = 5_000
     return config

@@ -135,7 +135,7 @@ def create_model(model_config, num_classes: int, num_anchors: int) -> RetinaNet:
         raise ConfigError(f"model.dtype={model_config.dtype!r}; use one of {', '.join(DTYPES)}")
     dtype = DTYPES[model_config.dtype]
     backbone_config = model_config.backbone
-    name = backbone_config.get("name", None)
+    name = backbone_config.name
     levels = dict(min_level=model_config.anchors.min_level, max_level=model_config.anchors.max_level)
     if name == "resnet":
         backbone = ResNet(
@@ -144,7 +144,7 @@ def create_model(model_config, num_classes: int, num_anchors: int) -> RetinaNet:
             backbone_config.block,
             model_config.remat,
             dtype,
-            norm=backbone_config.get("norm", "group"),
+            norm=backbone_config.norm,
         )
         neck = FPN(model_config.fpn_features, **levels, dtype=dtype)
     elif name == "vit":
@@ -169,7 +169,7 @@ def create_model(model_config, num_classes: int, num_anchors: int) -> RetinaNet:
         num_anchors,
         model_config.head_convs,
         model_config.head_features,
-        norm=model_config.get("head_norm", "group"),
+        norm=model_config.head_norm,
         dtype=dtype,
     )
     return RetinaNet(backbone=backbone, neck=neck, head=head)

@@ -51,10 +51,10 @@ def frozen_parameters(model_config):
     `detector.backbone.frozen_parameter_mask`). Other backbones freeze nothing.
     """
     backbone_config = model_config.backbone
-    if backbone_config.get("name", None) != "resnet":
+    if backbone_config.name != "resnet":
         return None
-    norm = backbone_config.get("norm", "group")
-    freeze_stages = backbone_config.get("freeze_stages", 0)
+    norm = backbone_config.norm
+    freeze_stages = backbone_config.freeze_stages
     check_norm(norm)
     if not isinstance(freeze_stages, int) or freeze_stages < 0:
         raise ConfigError(f"model.backbone.freeze_stages={freeze_stages!r}; use an integer >= 0")

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import ast
 import functools
 import importlib.util
 import pathlib
@@ -16,8 +17,8 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import sharding
-from configs import retinanet_r50_coco
-from detector.models.retinanet import create_model
+from configs import common, retinanet_r50_coco
+from detector.models.retinanet import BACKBONES, create_model
 from detector.training import optim, steps
 from detector.training.train_state import count_params, state_shardings
 from input_pipeline import datasets
@@ -25,7 +26,9 @@ from sharding import memory
 from tests.helpers import REPO_ROOT
 
 CONFIG_DIR = REPO_ROOT / "configs"
-CONFIG_FILES = sorted(p for p in CONFIG_DIR.glob("*.py") if p.name != "__init__.py")
+# common.py holds what the recipes share; it is not a recipe (no get_config).
+NOT_RECIPES = {"__init__.py", "common.py"}
+CONFIG_FILES = sorted(p for p in CONFIG_DIR.glob("*.py") if p.name not in NOT_RECIPES)
 
 
 def load_config_file(path: pathlib.Path) -> ml_collections.ConfigDict:
@@ -38,6 +41,71 @@ def load_config_file(path: pathlib.Path) -> ml_collections.ConfigDict:
 
 def test_both_documented_recipes_exist():
     assert {p.name for p in CONFIG_FILES} >= {"default.py", "retinanet_r50_coco.py"}
+
+
+def _imported_configs_modules(path: pathlib.Path) -> set[str]:
+    """The modules of the `configs` package that the file at `path` imports (relative imports included)."""
+    imported = set()
+    for node in ast.walk(ast.parse(path.read_text(), filename=str(path))):
+        if isinstance(node, ast.Import):
+            imported |= {a.name for a in node.names if a.name.split(".")[0] == "configs"}
+        elif isinstance(node, ast.ImportFrom):
+            module = "configs" + (f".{node.module}" if node.module else "") if node.level else node.module or ""
+            if module == "configs":
+                imported |= {f"configs.{a.name}" for a in node.names}
+            elif module.split(".")[0] == "configs":
+                imported.add(module)
+    return imported
+
+
+@pytest.mark.parametrize("path", [*CONFIG_FILES, CONFIG_DIR / "common.py"], ids=lambda p: p.name)
+def test_recipes_build_on_configs_common_only(path):
+    """One level of inheritance: a recipe imports only configs.common from configs/, and common.py nothing."""
+    allowed = set() if path.name == "common.py" else {"configs.common"}
+    assert _imported_configs_modules(path) <= allowed
+
+
+def test_import_check_sees_every_form_of_import(tmp_path):
+    source = tmp_path / "recipe.py"
+    source.write_text(
+        "import configs.default\nfrom configs import common, vitdet_tiny\n"
+        "from configs.vitdet_b_coco import get_config\nfrom . import retinanet_r50_coco\n"
+    )
+    assert _imported_configs_modules(source) == {
+        "configs.default",
+        "configs.common",
+        "configs.vitdet_tiny",
+        "configs.vitdet_b_coco",
+        "configs.retinanet_r50_coco",
+    }
+
+
+def _key_paths(config: ml_collections.ConfigDict, prefix: str = "") -> set[str]:
+    paths = set()
+    for key, value in config.items():
+        paths.add(prefix + key)
+        if isinstance(value, ml_collections.ConfigDict):
+            paths |= _key_paths(value, f"{prefix}{key}.")
+    return paths
+
+
+# A recipe replaces the whole backbone block with another kind's, whose keys
+# are those of its builder in configs/common.py.
+BASE_BACKBONES = {
+    "resnet": common.resnet_backbone((1, 1, 1, 1), 16, "basic"),
+    "vit": common.vit_backbone(64, 1, 1, global_attention_every=1),
+}
+
+
+@pytest.mark.parametrize("path", CONFIG_FILES, ids=lambda p: p.name)
+def test_recipe_defines_every_key_of_the_common_base(path):
+    """The library reads these keys as attributes: a recipe may override their values, never drop them."""
+    config = load_config_file(path)
+    base = common.base_config()
+    assert set(BASE_BACKBONES) == set(BACKBONES)
+    base.model.backbone = BASE_BACKBONES[config.model.backbone.name]
+    missing = _key_paths(base) - _key_paths(config)
+    assert not missing, sorted(missing)
 
 
 @pytest.mark.parametrize("path", CONFIG_FILES, ids=lambda p: p.name)
