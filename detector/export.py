@@ -10,7 +10,7 @@ Writes, under `--output` (default `WORKDIR/export/jax`):
                       [B, D] int32, valid [B, D] bool; runs on CPU and CUDA GPUs
   model.json          preprocessing (image size, mean/std, resize rule), class
                       names, label -> category id, output shapes, step, JAX version
-Load it with `detector.exporting.load_artifact(DIR).predict(images)`, or
+Load it with `detector.serving.artifact.load_artifact(DIR).predict(images)`, or
 anywhere with `jax.export.deserialize(bytes).call(images)`. The detection
 settings baked in are the config's `postprocess` ones; change them with
 e.g. `--config.postprocess.score_threshold=0.3`.
@@ -21,7 +21,6 @@ installed alongside this JAX reads an older StableHLO than this JAX writes.
 
 from __future__ import annotations
 
-import jax
 from absl import flags
 from etils import epath
 
@@ -46,27 +45,10 @@ def main(argv: list[str]) -> None:
     # The predictor's own (sharded, compiled) batch size is the config's; the
     # exported program has its own, fixed one.
     predictor = load_predictor(_CONFIG.value, _WORKDIR.value, _CHECKPOINT.value)
-    exported = artifact.export_predictor(predictor, _BATCH_SIZE.value)
-    if jax.process_index() != 0:
-        return
     output = _OUTPUT.value or epath.Path(_WORKDIR.value) / "export" / "jax"
-    directory = artifact.write_artifact(exported, predictor, output)
-    written = [directory / artifact.EXPORTED_FILE, directory / artifact.METADATA_FILE]
-    sizes = ", ".join(f"{path.name} ({_format_size(path.stat().length)})" for path in written)
-    message = (
-        f"exported step {predictor.step} ({_CHECKPOINT.value}) for batches of {_BATCH_SIZE.value} "
-        f"on {'/'.join(exported.platforms)} to {directory}: {sizes}"
-    )
-    print(message, flush=True)
-
-
-def _format_size(num_bytes: int) -> str:
-    size, unit = float(num_bytes), "B"
-    for larger in ("KiB", "MiB", "GiB"):
-        if size < 1024:
-            break
-        size, unit = size / 1024, larger
-    return f"{num_bytes} B" if unit == "B" else f"{size:.1f} {unit}"
+    written = artifact.export_to_directory(predictor, _BATCH_SIZE.value, output, checkpoint=_CHECKPOINT.value)
+    if written is not None:
+        print(written, flush=True)
 
 
 if __name__ == "__main__":

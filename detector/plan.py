@@ -52,7 +52,7 @@ def main(argv: list[str]) -> None:
             f"JAX started with {len(jax.devices())} devices before the plan could ask for "
             f"{_DEVICES.value}; run the plan as its own process"
         )
-    from detector.training.planning import print_plan
+    from detector.training.train_compile import print_plan
 
     print_plan(
         _CONFIG.value,

@@ -103,7 +103,7 @@ def retinanet_loss(
         gt_mask: bool ``[B, M]``, False for padding.
         num_classes: C.
         positive_iou, negative_iou, allow_low_quality_matches: matching rules of
-            :func:`detector.anchors.assign_targets`.
+            :func:`detector.ops.anchors.assign_targets`.
         focal_alpha, focal_gamma: see :func:`sigmoid_focal_loss`.
         box_loss: ``'huber'`` (smooth L1 on the encoded deltas, summed over the 4
             coordinates) or ``'giou'`` (``1 - GIoU`` of the decoded boxes).

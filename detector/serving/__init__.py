@@ -1,0 +1,1 @@
+"""A trained detector at work: the predictor, COCO evaluation, the exported artifact, drawing."""

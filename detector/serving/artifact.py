@@ -172,6 +172,36 @@ def write_artifact(exported: jax.export.Exported, predictor: Predictor, director
     return directory
 
 
+def export_to_directory(
+    predictor: Predictor, batch_size: int, directory: str | epath.PathLike, *, checkpoint: str = ""
+) -> str | None:
+    """Exports the predictor for batches of `batch_size` and writes the artifact to `directory` (process 0).
+
+    Every process takes part in gathering the parameters; returns, on process
+    0, one line saying what was written where (None on the others).
+    `checkpoint` names where the parameters came from ("last", "best", a step).
+    """
+    exported = export_predictor(predictor, batch_size)
+    if jax.process_index() != 0:
+        return None
+    directory = write_artifact(exported, predictor, directory)
+    written = [directory / EXPORTED_FILE, directory / METADATA_FILE]
+    sizes = ", ".join(f"{path.name} ({_format_size(path.stat().length)})" for path in written)
+    return (
+        f"exported step {predictor.step}{f' ({checkpoint})' if checkpoint else ''} for batches of {batch_size} "
+        f"on {'/'.join(exported.platforms)} to {directory}: {sizes}"
+    )
+
+
+def _format_size(num_bytes: int) -> str:
+    size, unit = float(num_bytes), "B"
+    for larger in ("KiB", "MiB", "GiB"):
+        if size < 1024:
+            break
+        size, unit = size / 1024, larger
+    return f"{num_bytes} B" if unit == "B" else f"{size:.1f} {unit}"
+
+
 @dataclasses.dataclass(frozen=True)
 class ExportedDetector:
     """A deserialized artifact and its metadata: predicts on RGB images of any size.

@@ -1,6 +1,6 @@
 """Training curves as PNG files under `WORKDIR/plots/`, from the workdir's metric JSON lines.
 
-Reads what :mod:`detector.metric_writers` writes: `train_metrics.jsonl`
+Reads what :mod:`detector.training.metric_writers` writes: `train_metrics.jsonl`
 (`{"step": N, "loss": ..., "cls_loss": ..., "box_loss": ..., ...}`) and
 `eval_metrics.jsonl` (`{"step": N, "AP": ..., "AP50": ..., ...}`, COCO
 metrics in [0, 1]). Figures are rendered by matplotlib's Agg canvas directly,

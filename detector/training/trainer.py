@@ -26,7 +26,7 @@ from detector.training import checkpointing, optim, preemption, steps
 from detector.training.evaluator import Evaluator
 from detector.training.metric_writers import MetricWriter
 from detector.training.monitors import DataReport, MetricWindow, NonFiniteSteps
-from detector.training.planning import log_step_plan
+from detector.training.train_compile import log_step_plan
 from detector.training.train_state import TrainState, count_params, init_train_state
 from input_pipeline.progress import Progress
 
@@ -175,7 +175,7 @@ def _restore_or_init(config, manager, model, tx: optax.GradientTransformation, p
     state = init_train_state(
         model, tx, tuple(config.input.image_size), programs.state_shardings, jax.random.key(config.seed)
     )
-    pretrained = config.model.backbone.get("pretrained", "")
+    pretrained = config.model.backbone.pretrained
     if pretrained:
         # Only on a fresh start: a resumed run continues from its own checkpoint.
         state = state.replace(params=load_backbone_params(state.params, pretrained))

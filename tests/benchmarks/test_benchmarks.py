@@ -11,6 +11,8 @@ import pytest
 from benchmarks import gpu
 from tests.helpers import REPO_ROOT
 
+pytestmark = pytest.mark.slow
+
 
 def _cpu_env() -> dict[str, str]:
     """The test process's environment on one CPU device (conftest's 8 fake devices would split batch 2)."""

@@ -26,7 +26,7 @@ from input_pipeline import transforms
 from tests.helpers import REPO_ROOT
 from tests.helpers.tiny_config import as_flags, make_config
 
-pytestmark = pytest.mark.usefixtures("compilation_cache_dir")
+pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("compilation_cache_dir")]
 
 EXPORT_OVERRIDES = {"postprocess.score_threshold": 0.0, "postprocess.max_detections": 10}
 MAX_DETECTIONS = EXPORT_OVERRIDES["postprocess.max_detections"]

@@ -30,6 +30,8 @@ from tests.helpers.processes import free_port
 from tests.helpers.runs import checkpoint_steps, flat, once_per_run, read_jsonl
 from tests.helpers.tiny_config import as_flags, make_config
 
+pytestmark = [pytest.mark.slow, pytest.mark.multiprocess]
+
 WORKER = "tests.helpers.checkpoint_worker"
 TOTAL_STEPS = 8
 RUN = {"total_steps": TOTAL_STEPS, "checkpoint_every_steps": 2, "log_every_steps": 1, "eval_every_steps": TOTAL_STEPS}

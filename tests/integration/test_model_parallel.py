@@ -26,12 +26,14 @@ from configs import vitdet_tiny
 from detector.models.retinanet import create_model
 from detector.models.vit import ViT
 from detector.training import steps
-from detector.training.planning import plan_train_step
+from detector.training.train_compile import plan_train_step
 from detector.training.train_state import state_shardings
 from sharding import step_plan
 from sharding.collectives import parse_collectives
 from tests.helpers import REPO_ROOT
 from tests.helpers.sharded_training import NUM_CLASSES, spatial_config
+
+pytestmark = pytest.mark.slow
 
 
 def tensor_parallel_vit_config():

@@ -18,6 +18,8 @@ from tests.helpers import REPO_ROOT
 from tests.helpers.pipeline_config import make_config
 from tests.helpers.processes import free_port
 
+pytestmark = [pytest.mark.slow, pytest.mark.multiprocess]
+
 WORKER = "tests.helpers.multiprocess_input_worker"
 STEPS, RESUME_STEP = 3, 2
 KEYS = ("image_id", "image", "boxes", "labels", "boxes_mask")

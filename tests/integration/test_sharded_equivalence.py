@@ -10,11 +10,14 @@ import flax
 import jax
 import jax.numpy as jnp
 import numpy as np
+import pytest
 
 from configs import vitdet_tiny
 from detector.models.retinanet import create_model
 from detector.training import steps
 from tests.helpers.sharded_training import NUM_CLASSES, assert_same_training, spatial_config, train_on_mesh
+
+pytestmark = pytest.mark.slow
 
 
 def random_batch(config, seed: int) -> dict[str, np.ndarray]:

@@ -14,6 +14,8 @@ from sharding.distributed import DistributedError, DistributedOptions
 from tests.helpers import REPO_ROOT
 from tests.helpers.processes import free_port
 
+pytestmark = pytest.mark.multiprocess
+
 LAUNCHER = REPO_ROOT / "scripts" / "launch_local.sh"
 
 

@@ -1,4 +1,7 @@
-"""The single-process signal handling of detector.preemption (the multi-process path runs in test_fault_tolerance)."""
+"""The single-process signal handling of detector.training.preemption.
+
+The multi-process path runs in tests/integration/test_fault_tolerance.py.
+"""
 
 import os
 import signal
