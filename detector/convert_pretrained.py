@@ -31,28 +31,7 @@ def main(argv: list[str]) -> None:
         raise ConfigError(
             f"--output={_OUTPUT.value}: the converted backbone is written as .npz; give a name ending in .npz"
         )
-    state_dict = weight_import.read_state_dict(_INPUT.value)
-    stage_sizes = weight_import.torchvision_stage_sizes(state_dict)
-    backbone = weight_import.flatten_backbone_params(weight_import.convert_torchvision_resnet(state_dict, stage_sizes))
-    weight_import.save_backbone_params(backbone, _OUTPUT.value)
-
-    ignored = weight_import.ignored_torchvision_keys(state_dict)
-    counters = [name for name in ignored if name.endswith("num_batches_tracked")]
-    others = [name for name in ignored if name not in counters]
-    ignored_text = ", ".join(others + ([f"{len(counters)} num_batches_tracked counters"] if counters else []))
-    block = "bottleneck" if "layer1.0.conv3.weight" in state_dict else "basic"
-    width = backbone["stem_conv/kernel"].shape[-1]
-    num_values = sum(value.size for value in backbone.values())
-    print(f"{_INPUT.value}: ResNet with {block} blocks, stage sizes {stage_sizes}, width {width}")
-    print(
-        f"converted {len(state_dict) - len(ignored)} tensors into {len(backbone)} arrays "
-        f"({num_values / 1e6:.2f}M values; BatchNorms folded into frozen scale/bias)"
-    )
-    print(f"ignored: {ignored_text or 'nothing'}")
-    print(
-        f"wrote {_OUTPUT.value}; train with --config.model.backbone.norm=frozen_bn "
-        f"--config.model.backbone.pretrained={_OUTPUT.value}"
-    )
+    print(weight_import.convert_torchvision_file(_INPUT.value, _OUTPUT.value))
 
 
 if __name__ == "__main__":

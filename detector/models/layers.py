@@ -44,7 +44,7 @@ def conv(
 
     `padding` is what `nn.Conv` takes: 'SAME' (the default) or explicit
     `((top, bottom), (left, right))` pixels; see `symmetric_padding`. On a
-    CPU backend the kernel gradient runs as matmuls (`detector.convolution`:
+    CPU backend the kernel gradient runs as matmuls (`detector.models.convolution`:
     XLA:CPU's own is several times slower); elsewhere XLA's convolution is used.
     """
     on_cpu = jax.default_backend() == "cpu"
@@ -107,10 +107,10 @@ class FrozenBatchNorm(nn.Module):
 
     detectron2's FrozenBatchNorm2d: a pretrained BatchNorm's weight `w`, bias
     `b`, running mean `m` and variance `v` fold into `scale = w / sqrt(v + eps)`
-    and `bias = b - m * scale` (see `detector.pretrained`). Detection batches
+    and `bias = b - m * scale` (see `detector.models.weight_import`). Detection batches
     of a few images per device are too small to re-estimate the statistics,
     so they stay as pretrained; the optimizer keeps these parameters fixed
-    (`detector.optim`). Initialised as the identity. Parameters `scale`, `bias`:
+    (`detector.training.optim`). Initialised as the identity. Parameters `scale`, `bias`:
     `[channels]` float32, logical axes `('conv_out',)`. Input and output
     `[..., channels]`.
     """

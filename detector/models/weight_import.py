@@ -2,7 +2,7 @@
 
 torchvision's `resnet50()` state dict (`conv1.weight`, `bn1.*`,
 `layer{1-4}.{i}.conv{1,2,3}.weight`, `.bn{1,2,3}.*`, `.downsample.{0,1}.*`)
-maps onto `detector.backbone.ResNet(norm='frozen_bn')`:
+maps onto `detector.models.resnet.ResNet(norm='frozen_bn')`:
 
   conv1 -> stem_conv            bn1 -> stem_norm
   layerS.I.convK -> stageS_block{I+1}/Conv_{K-1}
@@ -11,7 +11,7 @@ maps onto `detector.backbone.ResNet(norm='frozen_bn')`:
 
 Convolution weights `[out, in, kh, kw]` become kernels `[kh, kw, in, out]`;
 each BatchNorm folds into the per-channel `scale`, `bias` of
-`detector.layers.FrozenBatchNorm`. The classifier (`fc.*`) and the
+`detector.models.layers.FrozenBatchNorm`. The classifier (`fc.*`) and the
 `num_batches_tracked` counters are not part of a backbone and are skipped.
 
 Files: torchvision layout in `.pth`/`.pt` (needs torch), `.safetensors`
@@ -313,3 +313,34 @@ def load_backbone_params(params, path: str | os.PathLike):
             )
         loaded[name] = _like(model_leaf, tensors[name])
     return {**params, "backbone": traverse_util.unflatten_dict(loaded, sep="/")}
+
+
+def convert_torchvision_file(input_path: str | os.PathLike, output_path: str | os.PathLike) -> str:
+    """Converts a torchvision ResNet state dict file to a flat backbone `.npz`; returns what it did, as text.
+
+    What `python -m detector.convert_pretrained` runs: stage sizes and width
+    come from the state dict, BatchNorms are folded into frozen scale/bias,
+    the classifier and BatchNorm counters are ignored (and listed).
+    """
+    state_dict = read_state_dict(input_path)
+    stage_sizes = torchvision_stage_sizes(state_dict)
+    backbone = flatten_backbone_params(convert_torchvision_resnet(state_dict, stage_sizes))
+    save_backbone_params(backbone, output_path)
+
+    ignored = ignored_torchvision_keys(state_dict)
+    counters = [name for name in ignored if name.endswith("num_batches_tracked")]
+    others = [name for name in ignored if name not in counters]
+    ignored_text = ", ".join(others + ([f"{len(counters)} num_batches_tracked counters"] if counters else []))
+    block = "bottleneck" if "layer1.0.conv3.weight" in state_dict else "basic"
+    width = backbone["stem_conv/kernel"].shape[-1]
+    num_values = sum(value.size for value in backbone.values())
+    return "\n".join(
+        [
+            f"{input_path}: ResNet with {block} blocks, stage sizes {stage_sizes}, width {width}",
+            f"converted {len(state_dict) - len(ignored)} tensors into {len(backbone)} arrays "
+            f"({num_values / 1e6:.2f}M values; BatchNorms folded into frozen scale/bias)",
+            f"ignored: {ignored_text or 'nothing'}",
+            f"wrote {output_path}; train with --config.model.backbone.norm=frozen_bn "
+            f"--config.model.backbone.pretrained={output_path}",
+        ]
+    )

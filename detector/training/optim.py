@@ -48,7 +48,7 @@ def frozen_parameters(model_config):
 
     Frozen: a ResNet's frozen-BatchNorm parameters (`model.backbone.norm ==
     'frozen_bn'`) and its first `model.backbone.freeze_stages` stages (see
-    `detector.backbone.frozen_parameter_mask`). Other backbones freeze nothing.
+    `detector.models.resnet.frozen_parameter_mask`). Other backbones freeze nothing.
     """
     backbone_config = model_config.backbone
     if backbone_config.name != "resnet":
