@@ -45,15 +45,11 @@ def machine(versions: dict[str, str] | None = None) -> dict[str, Any]:
     return described
 
 
-def markdown(columns: Sequence[str], rows: Sequence[Sequence[Any]]) -> str:
-    def cell(value: Any) -> str:
-        if isinstance(value, float):
-            return "n/a" if value != value else (f"{value:.3g}" if abs(value) < 100 else f"{value:.0f}")
-        return str(value)
-
-    lines = ["| " + " | ".join(columns) + " |", "|" + "---|" * len(columns)]
-    lines += ["| " + " | ".join(cell(v) for v in row) + " |" for row in rows]
-    return "\n".join(lines)
+def _cell(value: Any) -> str:
+    """A float to 3 significant digits (whole numbers from 100 up, NaN as n/a); anything else as str()."""
+    if isinstance(value, float):
+        return "n/a" if value != value else (f"{value:.3g}" if abs(value) < 100 else f"{value:.0f}")
+    return str(value)
 
 
 def emit(
@@ -71,7 +67,11 @@ def emit(
         f"machine: {described['cpu']}, {described['cpu_cores']} cores; devices: {described['devices']}; "
         f"jax {described['jax']}" + (f", torch {described['torch']}" if "torch" in described else "") + "\n"
     )
-    print(markdown(columns, rows), flush=True)
+    # Imported here, as jax in machine(): vs_torchvision's torch worker imports this module and must not load
+    # sharding's JAX and Flax.
+    from sharding.tables import markdown_table
+
+    print(markdown_table(columns, [[_cell(v) for v in row] for row in rows]), flush=True)
     os.makedirs(_OUTPUT_DIR.value, exist_ok=True)
     path = os.path.join(_OUTPUT_DIR.value, f"{name}.json")
     record = {

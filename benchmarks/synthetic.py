@@ -1,8 +1,10 @@
-"""Random training batches shaped like the input pipeline's, for benchmarks (numpy only: no JAX, no TF)."""
+"""Random training batches laid out as input_pipeline.batch defines, for benchmarks (numpy only: no JAX, no TF)."""
 
 from __future__ import annotations
 
 import numpy as np
+
+from input_pipeline import batch as batch_layout
 
 BOXES_PER_IMAGE = 7  # COCO's average
 
@@ -15,21 +17,23 @@ def random_batch(
     b = config.global_batch_size
     height, width = config.input.image_size
     max_boxes = config.input.max_boxes
+    spec = batch_layout.batch_spec(b, (height, width), max_boxes)
     k = min(boxes_per_image, max_boxes)
     corners = rng.uniform(0.0, 1.0, size=(b, k, 2, 2)) * np.array([height, width])
-    boxes = np.zeros((b, max_boxes, 4), np.float32)
+    boxes = np.zeros(spec["boxes"].shape, spec["boxes"].dtype)
     boxes[:, :k, :2] = corners.min(axis=2)
     # At least 8 px on each side: every box gets positive anchors.
     boxes[:, :k, 2:] = np.minimum(np.maximum(corners.max(axis=2), corners.min(axis=2) + 8.0), [height, width])
     mask = np.arange(max_boxes)[None].repeat(b, 0) < k
-    labels = np.where(mask, rng.integers(0, num_classes, size=(b, max_boxes)), -1).astype(np.int32)
-    return {
-        "image": rng.normal(size=(b, height, width, 3)).astype(np.float32),
+    labels = np.where(mask, rng.integers(0, num_classes, size=(b, max_boxes)), -1)
+    values = {
+        "image": rng.normal(size=spec["image"].shape),
         "boxes": boxes,
         "labels": labels,
         "boxes_mask": mask,
-        "image_id": np.arange(b, dtype=np.int32),
-        "scale": np.ones(b, np.float32),
-        "original_size": np.full((b, 2), (height, width), np.int32),
+        "image_id": np.arange(b),
+        "scale": np.ones(b),
+        "original_size": np.broadcast_to((height, width), spec["original_size"].shape),
         "example_mask": np.ones(b, bool),
     }
+    return {key: np.array(values[key], dtype=dtype) for key, (_, dtype) in spec.items()}

@@ -14,39 +14,58 @@ Public API:
   prepare_split(config, 'train' | 'eval') -> PreparedSplit (with counts)
   format_counts({name: PreparedSplit}) -> markdown table of the counts
   DatasetError: raised for unusable datasets and configs.
+The batch layout (keys, dtypes, shapes) is input_pipeline.batch; box
+geometry shared with detector.ops is input_pipeline.box_geometry.
+
+These names load their modules on first use: `input_pipeline.batch` and
+`input_pipeline.box_geometry` need numpy only, and importing them must not
+start TensorFlow (benchmarks' PyTorch worker, detector.ops' pure array math).
 """
 
-from input_pipeline.dataset_errors import DatasetError
-from input_pipeline.datasets import DatasetInfo, get_dataset_info, prepare_split
-from input_pipeline.datasets import eval_ground_truth as coco_ground_truth
-from input_pipeline.datasets.cache import format_counts
-from input_pipeline.global_batch import process_rows, to_global_batch
-from input_pipeline.pipeline import (
-    EvalIterator,
-    InputCounts,
-    TrainIterator,
-    create_eval_iterator,
-    create_train_iterator,
-    local_batch_size,
-    num_threads,
-    with_batch_size,
-)
+from __future__ import annotations
 
-__all__ = [
-    "DatasetError",
-    "DatasetInfo",
-    "EvalIterator",
-    "InputCounts",
-    "TrainIterator",
-    "coco_ground_truth",
-    "create_eval_iterator",
-    "create_train_iterator",
-    "format_counts",
-    "get_dataset_info",
-    "local_batch_size",
-    "num_threads",
-    "prepare_split",
-    "process_rows",
-    "with_batch_size",
-    "to_global_batch",
-]
+import importlib
+
+# Public name -> (module, attribute) it comes from.
+_EXPORTS = {
+    "DatasetError": ("input_pipeline.dataset_errors", "DatasetError"),
+    "DatasetInfo": ("input_pipeline.datasets", "DatasetInfo"),
+    "EvalIterator": ("input_pipeline.pipeline", "EvalIterator"),
+    "InputCounts": ("input_pipeline.pipeline", "InputCounts"),
+    "TrainIterator": ("input_pipeline.pipeline", "TrainIterator"),
+    "coco_ground_truth": ("input_pipeline.datasets", "eval_ground_truth"),
+    "create_eval_iterator": ("input_pipeline.pipeline", "create_eval_iterator"),
+    "create_train_iterator": ("input_pipeline.pipeline", "create_train_iterator"),
+    "format_counts": ("input_pipeline.datasets.cache", "format_counts"),
+    "get_dataset_info": ("input_pipeline.datasets", "get_dataset_info"),
+    "local_batch_size": ("input_pipeline.pipeline", "local_batch_size"),
+    "num_threads": ("input_pipeline.pipeline", "num_threads"),
+    "prepare_split": ("input_pipeline.datasets", "prepare_split"),
+    "process_rows": ("input_pipeline.global_batch", "process_rows"),
+    "with_batch_size": ("input_pipeline.pipeline", "with_batch_size"),
+    "to_global_batch": ("input_pipeline.global_batch", "to_global_batch"),
+}
+
+__all__ = list(_EXPORTS)
+
+
+def __getattr__(name: str):
+    if name.startswith("__"):  # Probes such as __wrapped__ are no submodules.
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    if name in _EXPORTS:
+        module, attribute = _EXPORTS[name]
+        value = getattr(importlib.import_module(module), attribute)
+    else:
+        # `import input_pipeline` then `input_pipeline.transforms`: submodules are attributes as well.
+        try:
+            value = importlib.import_module(f"{__name__}.{name}")
+        except ModuleNotFoundError as e:
+            if e.name != f"{__name__}.{name}":
+                raise
+            raise AttributeError(f"module {__name__!r} has no attribute {name!r}") from None
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted({*globals(), *_EXPORTS})

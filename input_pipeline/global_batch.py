@@ -7,12 +7,9 @@ from typing import Any
 
 import jax
 import numpy as np
-from jax.sharding import Mesh, NamedSharding, PartitionSpec
+from jax.sharding import Mesh, NamedSharding
 
-
-def batch_sharding(mesh: Mesh, batch_axes: Sequence[str]) -> NamedSharding:
-    """Batch sharding: dim 0 split over `batch_axes`, other dims replicated."""
-    return NamedSharding(mesh, PartitionSpec(tuple(batch_axes)))
+from sharding.partitioning import batch_sharding
 
 
 def to_global_batch(

@@ -1,15 +1,8 @@
 """Per-process tf.data pipelines yielding host-local numpy batches.
 
-Every batch is a dict of numpy arrays, b = global_batch_size // process_count:
-  image          float32 [b, H, W, 3]   normalized ((x - mean) / std)
-  boxes          float32 [b, max_boxes, 4]  y0, x0, y1, x1 network-input px
-  labels         int32   [b, max_boxes]  contiguous labels, -1 = padding
-  boxes_mask     bool    [b, max_boxes]
-  image_id       int32   [b]             -1 for padding / undecodable images
-  scale          float32 [b]             network px per original px
-  original_size  int32   [b, 2]          (h, w) of the original image
-  example_mask   bool    [b]             False for eval padding and for
-                                         images that failed to decode
+Every batch is a dict of numpy arrays laid out as input_pipeline/batch.py
+defines (keys, dtypes, shapes, units), b = global_batch_size // process_count
+examples each.
 
 The order is global: example `p` of the training stream (p = 0, 1, ...) is
 record `train_ids[shuffle(p mod N; seed, epoch = p div N)]`, a stateless
@@ -43,8 +36,10 @@ import ml_collections
 import numpy as np
 import tensorflow as tf
 
+from input_pipeline import batch as batch_layout
 from input_pipeline import datasets, records, transforms
 from input_pipeline.dataset_errors import DatasetError
+from sharding.mesh import split_global_batch
 
 Batch = dict[str, np.ndarray]
 # Per-example flags the pipeline emits for accounting; the iterators take
@@ -56,20 +51,15 @@ _MIN_EXAMPLES_FOR_BAD_CHECK = 256
 
 
 def local_batch_size(config, process_count: int | None = None) -> int:
-    """global_batch_size // process_count; DatasetError if not divisible."""
+    """global_batch_size // process_count; sharding.MeshError if not divisible."""
     if process_count is None:
         process_count = jax.process_count()
-    global_batch = int(config.global_batch_size)
-    if global_batch <= 0 or global_batch % process_count:
-        raise DatasetError(
-            f"global_batch_size {global_batch} must be a positive multiple of the number of processes ({process_count})"
-        )
-    return global_batch // process_count
+    return split_global_batch(int(config.global_batch_size), process_count, f"{process_count} processes")
 
 
 def num_threads(config) -> int:
-    """tf.data's threads: `input.num_threads`, by default half the host's cores (1 to 16)."""
-    return int(config.input.get("num_threads", None) or max(1, min(16, (os.cpu_count() or 2) // 2)))
+    """tf.data's threads: `input.num_threads`, or when None half the host's cores (1 to 16)."""
+    return int(config.input.num_threads or max(1, min(16, (os.cpu_count() or 2) // 2)))
 
 
 def _options(config) -> tf.data.Options:
@@ -117,17 +107,12 @@ def _read_records(reader: datasets.cache.RecordReader, record_ids: tf.Tensor) ->
 
 
 def _masked_example(opts: transforms.TransformOptions, decode_failed) -> dict:
-    """An empty, masked example in the pipeline's output layout."""
-    h, w = opts.image_size
+    """batch_layout.empty_example as tensors, with the REPORT_KEYS flags."""
+    example = batch_layout.empty_example(
+        opts.image_size, opts.max_boxes, full=lambda shape, value, dtype: tf.fill(shape, tf.constant(value, dtype))
+    )
     return {
-        "image": tf.zeros([h, w, 3], tf.float32),
-        "boxes": tf.zeros([opts.max_boxes, 4], tf.float32),
-        "labels": -tf.ones([opts.max_boxes], tf.int32),
-        "boxes_mask": tf.zeros([opts.max_boxes], tf.bool),
-        "image_id": tf.constant(-1, tf.int32),
-        "scale": tf.constant(1.0, tf.float32),  # Safe to divide by.
-        "original_size": tf.zeros([2], tf.int32),
-        "example_mask": tf.constant(False),
+        **example,
         "boxes_truncated": tf.constant(False),
         "decode_failed": tf.cast(decode_failed, tf.bool),
     }
@@ -204,7 +189,7 @@ def training_record_ids(config, split: datasets.cache.PreparedSplit) -> np.ndarr
     `dataset.include_negatives` is False.
     """
     ids = np.arange(split.num_records, dtype=np.int64)
-    if not bool(config.dataset.get("include_negatives", True)):
+    if not config.dataset.include_negatives:
         ids = ids[split.num_training_boxes() > 0]
     if ids.size == 0:
         raise DatasetError(
@@ -317,7 +302,7 @@ class TrainIterator:
 
     def __init__(self, config, *, start_position: int = 0, first_row: int | None = None):
         self._global_batch = int(config.global_batch_size)
-        self._max_bad_fraction = float(config.input.get("max_bad_fraction", 0.5))
+        self._max_bad_fraction = float(config.input.max_bad_fraction)
         self.position = int(start_position)
         self.input_counts = InputCounts()
         ds = train_dataset(config, start_position=start_position, first_row=first_row)

@@ -26,6 +26,8 @@ from collections.abc import Sequence
 
 import tensorflow as tf
 
+from input_pipeline import box_geometry
+
 
 @dataclasses.dataclass(frozen=True)
 class TransformOptions:
@@ -66,9 +68,8 @@ class TransformOptions:
             raise ValueError(f"input.image_size must be (H, W) > 0, got {size}")
         if len(jitter) != 2 or not 0 < jitter[0] <= jitter[1]:
             raise ValueError(f"input.scale_jitter must be 0 < min <= max, got {jitter}")
-        # Optional keys: configs written before they existed keep working.
-        min_visible = float(inp.get("min_visible_fraction", 0.0))
-        color_jitter = float(inp.get("color_jitter", 0.0))
+        min_visible = float(inp.min_visible_fraction)
+        color_jitter = float(inp.color_jitter)
         for name, value in (("min_visible_fraction", min_visible), ("color_jitter", color_jitter)):
             if not 0.0 <= value <= 1.0:  # Also rejects NaN.
                 raise ValueError(f"input.{name} must be in [0, 1], got {value}")
@@ -228,10 +229,6 @@ def drop_small_boxes(boxes: tf.Tensor, labels: tf.Tensor, min_size: float) -> tu
     return tf.boolean_mask(boxes, keep), tf.boolean_mask(labels, keep)
 
 
-def _area(boxes: tf.Tensor) -> tf.Tensor:
-    return tf.maximum(boxes[:, 2] - boxes[:, 0], 0.0) * tf.maximum(boxes[:, 3] - boxes[:, 1], 0.0)
-
-
 def drop_hidden_boxes(
     boxes: tf.Tensor, clipped_boxes: tf.Tensor, labels: tf.Tensor, min_visible_fraction: float
 ) -> tuple[tf.Tensor, tf.Tensor]:
@@ -247,7 +244,7 @@ def drop_hidden_boxes(
     Returns:
       The kept clipped boxes [M, 4] and their labels [M].
     """
-    keep = _area(clipped_boxes) >= min_visible_fraction * _area(boxes)
+    keep = box_geometry.area(clipped_boxes, xp=tf) >= min_visible_fraction * box_geometry.area(boxes, xp=tf)
     return tf.boolean_mask(clipped_boxes, keep), tf.boolean_mask(labels, keep)
 
 
@@ -272,8 +269,8 @@ def pad_boxes(boxes: tf.Tensor, labels: tf.Tensor, max_boxes: int) -> tuple[tf.T
 
 
 def _clip_boxes(boxes: tf.Tensor, height, width) -> tf.Tensor:
-    hi = tf.cast(tf.stack([height, width, height, width]), tf.float32)
-    return tf.clip_by_value(boxes, 0.0, hi)
+    """float32 [N, 4] boxes clipped to a height x width (int pixels) image."""
+    return box_geometry.clip(boxes, tf.cast(height, tf.float32), tf.cast(width, tf.float32), xp=tf)
 
 
 def _finish(image, boxes, labels, image_id, scale, original_hw, opts: TransformOptions) -> dict:

@@ -5,7 +5,15 @@ carries a `NamedSharding` on a `('data', 'fsdp', 'model')` mesh, derived from
 logical axis names and the rules in `config.sharding.rules`.
 """
 
-from sharding.mesh import MESH_AXES, MeshError, batch_axes, check_global_batch, create_mesh, resolve_mesh_shape
+from sharding.mesh import (
+    MESH_AXES,
+    MeshError,
+    batch_axes,
+    check_global_batch,
+    create_mesh,
+    resolve_mesh_shape,
+    split_global_batch,
+)
 from sharding.partitioning import (
     LogicalRules,
     batch_sharding,
@@ -27,5 +35,6 @@ __all__ = [
     "mesh_sharding_for_logical_specs",
     "replicated",
     "resolve_mesh_shape",
+    "split_global_batch",
     "use_mesh",
 ]

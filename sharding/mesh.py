@@ -86,19 +86,32 @@ def batch_axes(mesh: Mesh) -> tuple[str, ...]:
     return BATCH_AXES
 
 
+def split_global_batch(global_batch_size: int, parts: int, over: str) -> int:
+    """The rows of a global batch each of `parts` equal parts holds: global_batch_size // parts.
+
+    The one divisibility check of a global batch, over devices or processes.
+
+    Args:
+      global_batch_size: examples per global batch.
+      parts: how many equal parts it is split into (devices, processes).
+      over: what the parts are, for the message, e.g. "4 processes".
+
+    Raises:
+      MeshError: global_batch_size is not a positive multiple of `parts`; the
+        one-line message names a valid size.
+    """
+    if global_batch_size <= 0 or global_batch_size % parts:
+        raise MeshError(
+            f"global_batch_size={global_batch_size} does not divide over {over}; use a multiple of {parts} "
+            f"(e.g. --config.global_batch_size={parts * max(1, global_batch_size // parts)})"
+        )
+    return global_batch_size // parts
+
+
 def check_global_batch(global_batch_size: int, mesh: Mesh) -> int:
-    """Returns the per-device batch; raises MeshError when the batch does not divide."""
+    """Returns the per-device batch; raises MeshError when the batch does not divide over devices or processes."""
     shards = math.prod(mesh.shape[a] for a in BATCH_AXES)
+    per_device = split_global_batch(global_batch_size, shards, f"the batch axes data x fsdp = {shards} devices")
     processes = jax.process_count()
-    if global_batch_size <= 0 or global_batch_size % shards:
-        raise MeshError(
-            f"global_batch_size={global_batch_size} does not divide over the batch axes data x fsdp = {shards} "
-            f"devices; use a multiple of {shards} "
-            f"(e.g. --config.global_batch_size={shards * max(1, global_batch_size // shards)})"
-        )
-    if global_batch_size % processes:
-        raise MeshError(
-            f"global_batch_size={global_batch_size} does not divide over {processes} processes; "
-            f"use a multiple of {processes}"
-        )
-    return global_batch_size // shards
+    split_global_batch(global_batch_size, processes, f"{processes} processes")
+    return per_device

@@ -46,7 +46,7 @@ def logical_rules(sharding_config) -> LogicalRules:
     SPATIAL_PARTITIONING_RULES.
     """
     configured = tuple(sharding_config.rules)
-    if sharding_config.get("spatial_partitioning", False):
+    if sharding_config.spatial_partitioning:
         overridden = dict(SPATIAL_PARTITIONING_RULES)
         configured = tuple(SPATIAL_PARTITIONING_RULES) + tuple(r for r in configured if r[0] not in overridden)
     rules = []
@@ -118,6 +118,9 @@ def replicated(mesh: Mesh) -> NamedSharding:
     return NamedSharding(mesh, PartitionSpec())
 
 
-def batch_sharding(mesh: Mesh, batch_axes: tuple[str, ...]) -> NamedSharding:
-    """Sharding of arrays whose leading dimension is the global batch."""
-    return NamedSharding(mesh, PartitionSpec(batch_axes))
+def batch_sharding(mesh: Mesh, batch_axes: Sequence[str]) -> NamedSharding:
+    """Sharding of arrays whose leading dimension is the global batch.
+
+    Dim 0 is split over `batch_axes` (e.g. ('data', 'fsdp')); the other dims are replicated.
+    """
+    return NamedSharding(mesh, PartitionSpec(tuple(batch_axes)))

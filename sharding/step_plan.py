@@ -17,6 +17,7 @@ from typing import Any
 from sharding.collectives import COLLECTIVE_KINDS, Collective, CollectiveSummary, parse_collectives, summarize
 from sharding.memory import MemoryReport, memory_report, per_device_bytes
 from sharding.mesh import MESH_AXES, MeshError
+from sharding.tables import markdown_table
 
 GB = 10**9
 
@@ -206,6 +207,4 @@ def format_table(plans: list[StepPlan], limit_bytes: int | None = None) -> str:
         if limit_bytes is not None:
             row.append("yes" if p.fits(limit_bytes) else "no")
         rows.append(row)
-    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
-    lines += ["| " + " | ".join(r) + " |" for r in rows]
-    return "\n".join(lines)
+    return markdown_table(header, rows)

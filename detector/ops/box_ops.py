@@ -5,7 +5,9 @@ ordered ``(y0, x0, y1, x1)`` ("yxyx"). Only :func:`yxyx_to_xywh` and
 :func:`xywh_to_yxyx` deal in COCO's ``(x, y, width, height)``.
 
 All functions are pure ``jax.numpy``: they broadcast over leading dimensions,
-have static output shapes and work under ``jit``, ``vmap`` and ``grad``.
+have static output shapes and work under ``jit``, ``vmap`` and ``grad``. The
+geometry the input pipeline shares (area, overlap, clipping, conversions)
+is input_pipeline.box_geometry, called here with ``xp=jnp``.
 """
 
 from __future__ import annotations
@@ -14,6 +16,8 @@ import math
 from collections.abc import Sequence
 
 import jax.numpy as jnp
+
+from input_pipeline import box_geometry
 
 # detectron2's bound on exp() of the size deltas: a box may grow at most
 # 1000/16 times its anchor, which keeps exp() finite for wild early predictions.
@@ -46,21 +50,11 @@ def area(boxes_yxyx):
         float ``[...]`` areas in square pixels; boxes with y1 < y0 or x1 < x0
         count as empty (area 0) rather than negative.
     """
-    y0, x0, y1, x1 = _split(boxes_yxyx)
-    return jnp.maximum(y1 - y0, 0.0) * jnp.maximum(x1 - x0, 0.0)
-
-
-def _intersection(boxes1_yxyx, boxes2_yxyx):
-    """Intersection area of (broadcast-)aligned boxes, ``[..., 4] -> [...]``."""
-    y0 = jnp.maximum(boxes1_yxyx[..., 0], boxes2_yxyx[..., 0])
-    x0 = jnp.maximum(boxes1_yxyx[..., 1], boxes2_yxyx[..., 1])
-    y1 = jnp.minimum(boxes1_yxyx[..., 2], boxes2_yxyx[..., 2])
-    x1 = jnp.minimum(boxes1_yxyx[..., 3], boxes2_yxyx[..., 3])
-    return jnp.maximum(y1 - y0, 0.0) * jnp.maximum(x1 - x0, 0.0)
+    return box_geometry.area(boxes_yxyx, xp=jnp)
 
 
 def _aligned_iou_and_union(boxes1_yxyx, boxes2_yxyx):
-    inter = _intersection(boxes1_yxyx, boxes2_yxyx)
+    inter = box_geometry.intersection_area(boxes1_yxyx, boxes2_yxyx, xp=jnp)
     union = area(boxes1_yxyx) + area(boxes2_yxyx) - inter
     return _safe_div(inter, union), union
 
@@ -187,19 +181,14 @@ def clip_boxes(boxes_yxyx, height, width):
     """
     dtype = boxes_yxyx.dtype
     height, width = jnp.broadcast_arrays(jnp.asarray(height, dtype), jnp.asarray(width, dtype))
-    height = height[..., None]
-    width = width[..., None]
-    upper = jnp.concatenate([height, width, height, width], axis=-1)
-    return jnp.clip(boxes_yxyx, 0.0, upper)
+    return box_geometry.clip(boxes_yxyx, height, width, xp=jnp)
 
 
 def yxyx_to_xywh(boxes_yxyx):
     """``(y0, x0, y1, x1)`` -> COCO ``(x, y, width, height)``, ``[..., 4]``."""
-    y0, x0, y1, x1 = _split(boxes_yxyx)
-    return jnp.stack([x0, y0, x1 - x0, y1 - y0], axis=-1)
+    return box_geometry.yxyx_to_xywh(boxes_yxyx, xp=jnp)
 
 
 def xywh_to_yxyx(boxes_xywh):
     """COCO ``(x, y, width, height)`` -> ``(y0, x0, y1, x1)``, ``[..., 4]``."""
-    x, y, w, h = _split(boxes_xywh)
-    return jnp.stack([y, x, y + h, x + w], axis=-1)
+    return box_geometry.xywh_to_yxyx(boxes_xywh, xp=jnp)

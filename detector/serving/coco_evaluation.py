@@ -22,6 +22,9 @@ from jax.experimental import multihost_utils
 from pycocotools.coco import COCO
 from pycocotools.cocoeval import COCOeval
 
+from input_pipeline import box_geometry
+from sharding.tables import aligned_table
+
 # pycocotools' `stats` vector, in its order.
 COCO_METRIC_NAMES = ("AP", "AP50", "AP75", "APs", "APm", "APl", "AR1", "AR10", "AR100", "ARs", "ARm", "ARl")
 
@@ -43,10 +46,7 @@ def detections_to_coco(outputs: Mapping[str, np.ndarray], label_to_category_id: 
         height, width = outputs["original_size"][i]
         # Host-side numpy: a few hundred boxes per image are not worth a device dispatch.
         boxes_yxyx = np.asarray(outputs["boxes"][i][keep], np.float64) / float(outputs["scale"][i])
-        y0, x0, y1, x1 = (
-            np.clip(boxes_yxyx[:, k], 0.0, limit) for k, limit in enumerate((height, width, height, width))
-        )
-        boxes_xywh = np.stack([x0, y0, x1 - x0, y1 - y0], axis=1)
+        boxes_xywh = box_geometry.yxyx_to_xywh(box_geometry.clip(boxes_yxyx, float(height), float(width)))
         for box, score, label in zip(boxes_xywh, outputs["scores"][i][keep], outputs["classes"][i][keep]):
             results.append(
                 {
@@ -196,8 +196,4 @@ def format_table(header: Sequence[str], rows: Sequence[Sequence[Any]]) -> str:
             return "-" if value < 0 else f"{value:.3f}"
         return str(value)
 
-    cells = [list(map(str, header))] + [[cell(v) for v in row] for row in rows]
-    widths = [max(len(r[i]) for r in cells) for i in range(len(header))]
-    lines = ["  ".join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(r, widths))) for r in cells]
-    lines.insert(1, "  ".join("-" * w for w in widths))
-    return "\n".join(lines)
+    return aligned_table(header, [[cell(v) for v in row] for row in rows])

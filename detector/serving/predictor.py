@@ -30,6 +30,7 @@ from detector.models.retinanet import create_model
 from detector.serving import coco_evaluation, drawing
 from detector.training import checkpointing, steps
 from detector.training.train_state import params_shardings
+from input_pipeline import batch as batch_layout
 from input_pipeline import transforms
 from input_pipeline.progress import track
 
@@ -234,7 +235,13 @@ def read_image(path: epath.Path) -> np.ndarray | None:
 
 
 def network_input(image: np.ndarray, image_id: int, opts: transforms.TransformOptions) -> dict[str, np.ndarray]:
-    """The eval transform of one image (resize to fit, pad, normalize), as numpy."""
+    """The eval transform of one image (resize to fit, pad, normalize): one example of the batch layout, as numpy.
+
+    Returns:
+      {key: array} for every key of input_pipeline.batch, shapes without the batch dimension: image
+      float32 [H, W, 3] normalized, boxes float32 [max_boxes, 4] all padding (zeros), scale float32 []
+      network px per original px, ...
+    """
     example = {
         "image": image,
         "boxes": np.zeros((0, 4), np.float32),
@@ -242,7 +249,7 @@ def network_input(image: np.ndarray, image_id: int, opts: transforms.TransformOp
         "image_id": np.int32(image_id),
     }
     transformed = transforms.eval_transform(example, opts)
-    return {k: np.asarray(v) for k, v in transformed.items() if k != "boxes_truncated"}
+    return {key: np.asarray(transformed[key]) for key in batch_layout.KEYS}
 
 
 def predict_images(predictor: Predictor, inputs: Sequence[str], output: str) -> list[dict[str, Any]] | None:
@@ -260,8 +267,7 @@ def predict_images(predictor: Predictor, inputs: Sequence[str], output: str) -> 
     local_rows = range(
         predictor.first_row(), predictor.first_row() + global_size // jax.device_count() * jax.local_device_count()
     )
-    blank = network_input(np.zeros((8, 8, 3), np.uint8), -1, opts)
-    blank["example_mask"] = np.False_
+    blank = batch_layout.empty_example(predictor.config.input.image_size, predictor.config.input.max_boxes)
     pictures = dict(zip(range(len(paths)), _picture_names(paths)))
     label_of_category = {int(c): label for label, c in enumerate(info.label_to_category_id)}
     results: list[dict[str, Any]] = []

@@ -22,6 +22,7 @@ from detector.ops import anchors as anchors_lib
 from detector.ops import losses, postprocess
 from detector.training import optim
 from detector.training.train_state import TrainState, state_shardings
+from input_pipeline import batch as batch_layout
 
 
 def anchors_for_config(config) -> np.ndarray:
@@ -161,21 +162,10 @@ def predict_step(
 def abstract_batch(
     config: ml_collections.ConfigDict, global_batch_size: int, batch_sharding: jax.sharding.NamedSharding
 ) -> dict[str, jax.ShapeDtypeStruct]:
-    """Shapes, dtypes and sharding of one global batch, as the input pipeline yields it."""
-    height, width = config.input.image_size
-    max_boxes = config.input.max_boxes
-    b = global_batch_size
-    spec = {
-        "image": ((b, height, width, 3), jnp.float32),
-        "boxes": ((b, max_boxes, 4), jnp.float32),
-        "labels": ((b, max_boxes), jnp.int32),
-        "boxes_mask": ((b, max_boxes), jnp.bool_),
-        "image_id": ((b,), jnp.int32),
-        "scale": ((b,), jnp.float32),
-        "original_size": ((b, 2), jnp.int32),
-        "example_mask": ((b,), jnp.bool_),
-    }
-    return {k: jax.ShapeDtypeStruct(shape, dtype, sharding=batch_sharding) for k, (shape, dtype) in spec.items()}
+    """One global batch of `config` as ShapeDtypeStructs carrying `batch_sharding` (see input_pipeline.batch)."""
+    return batch_layout.abstract_batch(
+        global_batch_size, config.input.image_size, config.input.max_boxes, sharding=batch_sharding
+    )
 
 
 def compile_train_step(

@@ -40,6 +40,7 @@ from array_record.python import array_record_data_source, array_record_module
 
 from input_pipeline import progress, records
 from input_pipeline.dataset_errors import DatasetError
+from sharding.tables import markdown_table
 
 MANIFEST = "manifest.json"
 INDEX = "index.npz"
@@ -279,7 +280,5 @@ def format_counts(splits: dict[str, PreparedSplit]) -> str:
     """Markdown table of the conversion counts of named splits, then where each lives."""
     names = list(splits)
     keys = sorted(set().union(*(s.counts for s in splits.values())))
-    lines = ["| count | " + " | ".join(names) + " |", "|---" * (len(names) + 1) + "|"]
-    lines += [f"| {k} | " + " | ".join(str(splits[n].counts.get(k, 0)) for n in names) + " |" for k in keys]
-    lines += ["", *(f"{n}: {splits[n].num_records} records in {splits[n].directory}" for n in names)]
-    return "\n".join(lines)
+    table = markdown_table(["count", *names], [[k, *(splits[n].counts.get(k, 0) for n in names)] for k in keys])
+    return "\n".join([table, "", *(f"{n}: {splits[n].num_records} records in {splits[n].directory}" for n in names)])

@@ -37,6 +37,10 @@ def make_config(data_dir, **overrides):
                 "std_rgb": (58.395, 57.12, 57.375),
                 "prefetch": 2,
                 "min_box_size": 2.0,
+                "min_visible_fraction": 0.0,
+                "color_jitter": 0.0,
+                "max_bad_fraction": 0.5,
+                "num_threads": None,
             },
         }
     )

@@ -7,6 +7,7 @@ import numpy as np
 import pytest
 
 import input_pipeline
+import sharding
 from input_pipeline import pipeline
 from input_pipeline.datasets import synthetic_shapes as ss
 from tests.helpers.pipeline_config import MAX_BOXES, N_EVAL, N_TRAIN, NET, SIZE, make_config
@@ -204,9 +205,12 @@ def test_unknown_dataset_is_an_error(data_dir):
 
 def test_indivisible_global_batch_is_an_error(data_dir):
     config = make_config(data_dir, global_batch_size=6)
-    with pytest.raises(input_pipeline.DatasetError, match="global_batch_size 6"):
+    # The one global-batch check (sharding.split_global_batch), as the trainer's mesh check raises it.
+    with pytest.raises(
+        sharding.MeshError, match=r"global_batch_size=6 does not divide over 4 processes; use a multiple of 4"
+    ):
         pipeline.train_dataset(config, process_count=4)
-    with pytest.raises(input_pipeline.DatasetError):
+    with pytest.raises(sharding.MeshError, match="global_batch_size=6 does not divide over 4 processes"):
         pipeline.eval_dataset(config, process_count=4)
     assert pipeline.local_batch_size(config, 3) == 2
 

@@ -26,7 +26,9 @@ def _config(data_dir, num_train=N_TRAIN, num_eval=N_EVAL):
                 "num_train_examples": num_train,
                 "num_eval_examples": num_eval,
                 "image_size": SIZE,
+                "cache_dir": None,
             },
+            "input": {"max_bad_fraction": 0.5},
         }
     )
 

@@ -458,6 +458,8 @@ def _config(**input_overrides):
         mean_rgb=MEAN,
         std_rgb=STD,
         min_box_size=1.0,
+        min_visible_fraction=0.0,
+        color_jitter=0.0,
     )
     inp.update(input_overrides)
     return ml_collections.ConfigDict({"input": inp})

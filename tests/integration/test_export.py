@@ -22,6 +22,7 @@ from detector.errors import ConfigError
 from detector.serving import artifact
 from detector.serving import predictor as predictor_lib
 from detector.serving.predictor import load_predictor
+from input_pipeline import batch as batch_layout
 from input_pipeline import transforms
 from tests.helpers import REPO_ROOT
 from tests.helpers.tiny_config import as_flags, make_config
@@ -58,8 +59,7 @@ def expected_detections(predictor, images):
     """The in-process predictor's detections per image, mapped to original pixels independently of artifact."""
     opts = transforms.TransformOptions.from_config(predictor.config)
     rows = [predictor_lib.network_input(image, i, opts) for i, image in enumerate(images)]
-    blank = predictor_lib.network_input(np.zeros((8, 8, 3), np.uint8), -1, opts)
-    blank["example_mask"] = np.False_
+    blank = batch_layout.empty_example(predictor.config.input.image_size, predictor.config.input.max_boxes)
     rows += [blank] * (predictor.batch_size - len(rows))
     local_batch = {key: np.stack([row[key] for row in rows]) for key in blank}
     outputs = jax.device_get(predictor(predictor.global_batch(local_batch)))

@@ -45,3 +45,15 @@ def test_check_global_batch():
     assert check_global_batch(8, mesh) == 2  # model replicas share examples
     with pytest.raises(sharding.MeshError, match="global_batch_size=6 does not divide over .* = 4 devices"):
         check_global_batch(6, mesh)
+
+
+def test_split_global_batch_is_the_one_divisibility_check():
+    assert sharding.split_global_batch(12, 4, "4 processes") == 3
+    for size in (6, 0, -4):
+        with pytest.raises(sharding.MeshError) as err:
+            sharding.split_global_batch(size, 4, "4 processes")
+        message = str(err.value)
+        assert message.startswith(f"global_batch_size={size} does not divide over 4 processes; use a multiple of 4")
+        assert "\n" not in message
+    with pytest.raises(sharding.MeshError, match=r"e\.g\. --config\.global_batch_size=4\)"):
+        sharding.split_global_batch(6, 4, "4 processes")

@@ -1,0 +1,127 @@
+"""The batch: its keys, dtypes and shapes, defined once for whoever makes or reads one.
+
+A batch of B examples is a dict of arrays, each the example's array with B in
+front. (H, W) is `input.image_size` and M is `input.max_boxes`:
+
+  key            dtype    shape          meaning (units)                         empty example
+  image          float32  [B, H, W, 3]   (pixel - mean_rgb) / std_rgb, RGB       0
+  boxes          float32  [B, M, 4]      y0, x0, y1, x1, network-input pixels    0
+  labels         int32    [B, M]         contiguous class labels, -1 = padding   -1
+  boxes_mask     bool     [B, M]         True for a real box                     False
+  image_id       int32    [B]            source image id, -1 = no image          -1
+  scale          float32  [B]            network-input px per original px        1 (safe to divide by)
+  original_size  int32    [B, 2]         (h, w) of the original image, pixels    0
+  example_mask   bool     [B]            False for padding and undecodable ones  False
+
+The input pipeline yields one per process (B = global_batch_size // process
+count), benchmarks make random ones, and the jitted steps are compiled for
+`abstract_batch`. The empty example is what stands in for an undecodable
+image or pads the last eval batch.
+
+Imports numpy only (JAX inside abstract_batch): benchmarks' PyTorch worker
+builds batches from this table without loading JAX or TensorFlow.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Sequence
+from typing import Any, NamedTuple
+
+import numpy as np
+
+
+@dataclasses.dataclass(frozen=True)
+class Field:
+    """One key of the batch.
+
+    Attributes:
+      dtype: numpy dtype of the arrays.
+      example_shape: (image_size (H, W) pixels, max_boxes) -> shape of one
+        example's array (the batch adds B in front).
+      empty: the value every element takes in an empty, masked example.
+    """
+
+    dtype: np.dtype
+    example_shape: Callable[[tuple[int, int], int], tuple[int, ...]]
+    empty: bool | int | float
+
+
+FIELDS: dict[str, Field] = {
+    "image": Field(np.dtype(np.float32), lambda image_size, max_boxes: (*image_size, 3), 0.0),
+    "boxes": Field(np.dtype(np.float32), lambda image_size, max_boxes: (max_boxes, 4), 0.0),
+    "labels": Field(np.dtype(np.int32), lambda image_size, max_boxes: (max_boxes,), -1),
+    "boxes_mask": Field(np.dtype(np.bool_), lambda image_size, max_boxes: (max_boxes,), False),
+    "image_id": Field(np.dtype(np.int32), lambda image_size, max_boxes: (), -1),
+    "scale": Field(np.dtype(np.float32), lambda image_size, max_boxes: (), 1.0),
+    "original_size": Field(np.dtype(np.int32), lambda image_size, max_boxes: (2,), 0),
+    "example_mask": Field(np.dtype(np.bool_), lambda image_size, max_boxes: (), False),
+}
+KEYS = tuple(FIELDS)
+
+
+class ArraySpec(NamedTuple):
+    """Shape and dtype of one array of a batch or an example."""
+
+    shape: tuple[int, ...]
+    dtype: np.dtype
+
+
+def example_spec(image_size: Sequence[int], max_boxes: int) -> dict[str, ArraySpec]:
+    """Shape and dtype of each key of one example (no batch dimension).
+
+    Args:
+      image_size: (H, W) network input, pixels.
+      max_boxes: boxes per example after padding.
+    """
+    height, width = (int(v) for v in image_size)
+    return {
+        key: ArraySpec(field.example_shape((height, width), int(max_boxes)), field.dtype)
+        for key, field in FIELDS.items()
+    }
+
+
+def batch_spec(batch_size: int, image_size: Sequence[int], max_boxes: int) -> dict[str, ArraySpec]:
+    """Shape and dtype of each key of a batch of `batch_size` examples: the example's shapes with B in front."""
+    return {
+        key: ArraySpec((int(batch_size), *spec.shape), spec.dtype)
+        for key, spec in example_spec(image_size, max_boxes).items()
+    }
+
+
+def abstract_batch(
+    global_batch_size: int, image_size: Sequence[int], max_boxes: int, sharding: Any = None
+) -> dict[str, Any]:
+    """One global batch as `jax.ShapeDtypeStruct`s (what the steps are compiled for).
+
+    Args:
+      global_batch_size: examples per global batch, B.
+      image_size: (H, W) network input, pixels.
+      max_boxes: boxes per example, M.
+      sharding: the `jax.sharding.Sharding` every array carries (the batch
+        sharding, dim 0 over the data axes), or None.
+    """
+    import jax  # Here, not above: numpy-only users of the table never load JAX.
+
+    return {
+        key: jax.ShapeDtypeStruct(spec.shape, spec.dtype, sharding=sharding)
+        for key, spec in batch_spec(global_batch_size, image_size, max_boxes).items()
+    }
+
+
+def empty_example(
+    image_size: Sequence[int], max_boxes: int, full: Callable[[tuple[int, ...], Any, np.dtype], Any] = np.full
+) -> dict[str, Any]:
+    """An example with no image and no boxes, masked out (example_mask False, image_id -1, labels -1).
+
+    Args:
+      image_size: (H, W) network input, pixels.
+      max_boxes: boxes per example.
+      full: `(shape, value, dtype) -> array`; numpy's by default. A tf.data
+        graph passes a `tf.fill` wrapper: a constant the size of an image
+        would be stored in the graph.
+    """
+    return {
+        key: full(spec.shape, FIELDS[key].empty, spec.dtype)
+        for key, spec in example_spec(image_size, max_boxes).items()
+    }

@@ -1,0 +1,134 @@
+"""Prepared splits: each source split converted once into records + index (cache.py), then reused.
+
+A split is converted under the cache root (`dataset.cache_dir`, default
+DATA_DIR/prepared) into a directory named after its source; later runs and
+every host reuse it as long as the source's fingerprint is unchanged.
+Conversion counts bad records; a source where most images are unusable
+stops with a DatasetError.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import os
+from collections.abc import Callable
+
+import jax
+import tensorflow as tf
+from jax.experimental import multihost_utils
+
+from input_pipeline.dataset_errors import DatasetError
+from input_pipeline.datasets import cache, coco_json, fingerprint, tfds_source
+from input_pipeline.datasets.locations import cache_root, coco_json_paths, resolve_data_dir
+from input_pipeline.datasets.registry import EVAL, TFDS_DATASETS, TRAIN, check_name
+from input_pipeline.datasets.tfds_builders import get_builder
+
+_tf_configured = False
+
+
+def configure_tf() -> None:
+    """Keeps TensorFlow off accelerators: it only feeds the input pipeline."""
+    global _tf_configured
+    if _tf_configured:
+        return
+    try:
+        tf.config.set_visible_devices([], "GPU")
+    except RuntimeError:
+        pass  # TF's runtime was already initialized elsewhere; too late to hide.
+    _tf_configured = True
+
+
+@dataclasses.dataclass(frozen=True)
+class _Plan:
+    """How to obtain one prepared split: where it lives and how to convert it."""
+
+    directory: str
+    fingerprint: str
+    describe: str
+    convert: Callable[[], cache.PreparedSplit]
+
+
+def _plan(config, which: str, sync: bool) -> _Plan:
+    name = check_name(config)
+    data_dir = resolve_data_dir(config)
+    root = cache_root(config, data_dir)
+    if name == "coco_json":
+        json_path, image_root = coco_json_paths(config, which)
+        source = fingerprint.coco_json_fingerprint(json_path, image_root, f"{which}_json")
+        stem = os.path.splitext(os.path.basename(json_path))[0]
+        directory = os.path.join(root, "coco_json", f"{stem}-{fingerprint.short_digest(source)}")
+
+        def convert():
+            categories = coco_json.read_categories(json_path)
+            counts = collections.Counter()
+            return cache.write_split(
+                directory,
+                coco_json.iter_examples(json_path, image_root, counts),
+                counts,
+                fingerprint=source,
+                class_names=categories.class_names,
+                category_ids=categories.category_ids,
+            )
+
+        return _Plan(directory, source, f"{json_path} ({image_root})", convert)
+
+    entry = TFDS_DATASETS[name]
+    split = config.dataset.train_split if which == TRAIN else config.dataset.eval_split
+    builder = get_builder(config, sync=sync)
+    full_name = builder.info.full_name
+    directory = os.path.join(root, *full_name.split("/"), split.replace("/", "_"))
+    source = fingerprint.tfds_fingerprint(full_name, split)
+
+    def convert():
+        counts = collections.Counter()
+        try:
+            examples = tfds_source.iter_examples(builder, split, entry.layout, len(entry.class_names), counts)
+            return cache.write_split(
+                directory,
+                examples,
+                counts,
+                fingerprint=source,
+                class_names=entry.class_names,
+                category_ids=entry.category_ids,
+            )
+        except (AssertionError, KeyError, ValueError, tf.errors.NotFoundError) as e:
+            if isinstance(e, DatasetError):
+                raise
+            raise DatasetError(
+                f"cannot read split {split!r} of {name} from {data_dir} ({str(e).splitlines()[0][:200]}); "
+                f"prepare it with `tfds build {name} --data_dir={data_dir}` or set "
+                "--config.dataset.data_dir / the split names"
+            ) from e
+
+    return _Plan(directory, source, f"{name} split {split!r}", convert)
+
+
+def prepare_split(config, which: str, *, sync: bool = True) -> cache.PreparedSplit:
+    """The prepared `which` ('train' or 'eval') split of `config.dataset`.
+
+    Converts the source on first use. In multi-process runs with `sync=True`
+    (every process must then call this) process 0 converts while the others
+    wait at a barrier; a host that still does not see the split afterwards (no
+    shared filesystem) converts its own identical copy. Pass `sync=False`
+    only from code that runs on one process.
+
+    Raises:
+      DatasetError: unknown or misconfigured dataset, unreadable source, or
+        more than input.max_bad_fraction of its images unusable.
+    """
+    if which not in (TRAIN, EVAL):
+        raise ValueError(f"which must be {TRAIN!r} or {EVAL!r}, got {which!r}")
+    configure_tf()
+    plan = _plan(config, which, sync)
+    split = cache.load_split(plan.directory, fingerprint=plan.fingerprint)
+    if split is None:
+        if sync and jax.process_count() > 1:
+            if jax.process_index() == 0:
+                plan.convert()
+            multihost_utils.sync_global_devices(f"prepare {plan.directory}")
+            split = cache.load_split(plan.directory, fingerprint=plan.fingerprint)
+        if split is None:
+            split = plan.convert()
+    cache.check_usable(split, what=plan.describe, max_bad_fraction=float(config.input.max_bad_fraction))
+    return split
