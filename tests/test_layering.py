@@ -150,3 +150,18 @@ def test_a_forbidden_import_is_reported(tmp_path, module_path, line, rule):
     found = violations(tmp_path, packages=("detector", "sharding", "input_pipeline", "configs"))
     assert len(found) == 1, found
     assert found[0].startswith(f"{module_path}:2:") and f"(rule {rule!r})" in found[0]
+
+
+def test_no_two_sibling_modules_differ_only_by_a_suffix():
+    """Within a package, no pair like export.py / exporting.py that a reader must open both of to tell apart."""
+    pairs = []
+    for package in SCANNED:
+        for directory in [REPO_ROOT / package, *(p for p in (REPO_ROOT / package).rglob("*") if p.is_dir())]:
+            names = sorted(p.stem for p in directory.glob("*.py") if p.stem != "__init__")
+            pairs += [
+                f"{directory.relative_to(REPO_ROOT)}: {a}.py / {b}.py"
+                for a in names
+                for b in names
+                if a != b and b.startswith(a) and not b[len(a)].startswith("_")
+            ]
+    assert pairs == []
