@@ -1,13 +1,17 @@
-"""Converts torchvision ResNet weights to this project's backbone layout, once, ahead of training.
+"""Converts torchvision ResNet or timm ViT weights for this project's backbones, once, ahead of training.
 
   python -m detector.convert_pretrained --input=resnet50.pth --output=resnet50_backbone.npz
+  python -m detector.convert_pretrained --input=vit_base_mae.safetensors --output=vit_b.npz
 
-then train with `--config.model.backbone.norm=frozen_bn
---config.model.backbone.pretrained=resnet50_backbone.npz`. The input is a
-torchvision state dict as `.pth`/`.pt` (needs torch), `.safetensors` or
-`.npz`; the output is a flat `.npz` (`stage1_block1/Conv_0/kernel`, ...)
-that needs neither torch nor a conversion at training time. Stage sizes
-and width come from the state dict, so ResNet-18/34/101/152 convert too.
+then train with `--config.model.backbone.pretrained=OUTPUT` (a ResNet also
+with `--config.model.backbone.norm=frozen_bn`). The input is a state dict
+as `.pth`/`.pt` (needs torch), `.safetensors` or `.npz`; a timm ViT is told
+by its `patch_embed.proj.weight`. The output is a flat `.npz` that needs
+neither torch nor safetensors at training time: a ResNet in the backbone's
+layout (stage sizes and width from the state dict, so ResNet-18/34/101/152
+convert too); a ViT in timm's names with the unused tensors dropped, mapped
+onto the model's blocks (head count, scanned stacks) and its position grid
+when loaded, so one file serves every input size and window layout.
 Nothing is downloaded.
 """
 
@@ -19,7 +23,9 @@ from detector import cli
 from detector.errors import ConfigError
 from detector.models import weight_import
 
-_INPUT = flags.DEFINE_string("input", None, "torchvision ResNet state dict: .pth, .pt, .safetensors or .npz.")
+_INPUT = flags.DEFINE_string(
+    "input", None, "torchvision ResNet or timm ViT state dict: .pth, .pt, .safetensors or .npz."
+)
 _OUTPUT = flags.DEFINE_string("output", None, "Where to write the converted backbone (.npz).")
 flags.mark_flags_as_required(["input", "output"])
 
@@ -31,7 +37,7 @@ def main(argv: list[str]) -> None:
         raise ConfigError(
             f"--output={_OUTPUT.value}: the converted backbone is written as .npz; give a name ending in .npz"
         )
-    print(weight_import.convert_torchvision_file(_INPUT.value, _OUTPUT.value))
+    print(weight_import.convert_pretrained_file(_INPUT.value, _OUTPUT.value))
 
 
 if __name__ == "__main__":
