@@ -93,8 +93,10 @@ def vit_backbone(
 ) -> ml_collections.ConfigDict:
     """`config.model.backbone` for a plain ViT at patch 16 (4 global blocks for the ViTDet sizes).
 
-    `pretrained`: backbone weights to start from, "" for none: a flat .npz in
-    this project's parameter layout.
+    `pretrained`: backbone weights to start from, "" for none: a timm-layout
+    ViT state dict (.pth/.pt/.safetensors/.npz, e.g. MAE's), the .npz that
+    `python -m detector.convert_pretrained` makes of one, or a flat .npz in this
+    project's parameter layout; see `vitdet_coco`.
     """
     return ml_collections.ConfigDict(
         dict(
@@ -206,6 +208,28 @@ def base_config() -> ml_collections.ConfigDict:
     config.optimizer.weight_decay = 1e-4
     config.optimizer.warmup_steps = 100
     config.optimizer.grad_clip_norm = 1.0
+    # Learning-rate multipliers by parameter path ('/'-joined, e.g.
+    # "backbone/stage1_block1/Conv_0/kernel"): ((regex, multiplier), ...), the
+    # first full match wins; DETR recipes train the backbone at x0.1 with
+    # (("backbone/.*", 0.1),). Frozen parameters stay frozen whatever the multiplier.
+    config.optimizer.lr_multipliers = ()
+    # ViTDet's layer-wise decay for a ViT backbone: block i (0-based) trains at
+    # layer_decay ** (depth - i), the patch and position embeddings at
+    # layer_decay ** (depth + 1), everything above the blocks at x1. 1.0: off.
+    config.optimizer.layer_decay = 1.0
+    # Micro-batches per optimizer update: global_batch_size / accumulate_steps
+    # examples go through the network at a time (a scan inside the one compiled
+    # step) and their gradients are summed, so a recipe's global batch runs on
+    # fewer devices with the same update. Steps, the schedule, logs and
+    # checkpoints count updates.
+    config.optimizer.accumulate_steps = 1
+    # Exponential moving average of the parameters, kept in the train state
+    # and checkpointed; evaluation, the best checkpoint, evaluate/predict/export
+    # and WORKDIR/export/params use it when on. 0.0: off. With ema_warmup the
+    # decay at update t is min(ema_decay, (1 + t) / (10 + t)), so the average
+    # forgets its random start quickly.
+    config.optimizer.ema_decay = 0.0
+    config.optimizer.ema_warmup = True
 
     config.global_batch_size = 16
     config.total_steps = 1500
@@ -262,6 +286,21 @@ def vitdet_coco(backbone: ml_collections.ConfigDict) -> ml_collections.ConfigDic
     position embeddings interpolated from the 224 px pretraining grid, AdamW
     (lr 1e-4, weight decay 0.1) at global batch 64 for 184k steps (~100 epochs)
     with x0.1 steps at 88.9% and 96.3%, bf16 compute with float32 parameters.
+
+    ViTDet starts from MAE's self-supervised ImageNet-1k weights; the recipe
+    leaves `model.backbone.pretrained` empty, so they are given on the command
+    line after one offline conversion (torch only where a .pth is converted):
+
+      python -m detector.convert_pretrained --input=mae_pretrain_vit_base.pth --output=vit_b_mae.npz
+      python -m detector.train --config=configs/vitdet_b_coco.py ... --config.model.backbone.pretrained=vit_b_mae.npz
+
+    Expected files: MAE's mae_pretrain_vit_base.pth / mae_pretrain_vit_large.pth
+    (ViT-B/16, ViT-L/16; the decoder, if there, is dropped), or timm's
+    vit_{base,large}_patch16_224.mae weights; their position embedding's 14x14
+    grid is pretrain_image_size=224's, resized to the 64x64 grid of 1024 px in
+    the forward pass. MAE's ViT-H (mae_pretrain_vit_huge.pth) is patch 14:
+    ViTDet resized its patch-embedding kernel to 16x16, which the importer does
+    not do, so it refuses that file (one line naming patch_embed.proj.weight).
     """
     config = coco_2017(base_config())
 

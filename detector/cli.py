@@ -71,7 +71,7 @@ def _parse_flags(argv: Sequence[str]) -> list[str]:
 
 
 def define_trained_run_flags():
-    """--config, --workdir and --checkpoint: which trained run, and which of its parameters, to use.
+    """--config, --workdir, --checkpoint and --raw_params: which trained run, and which of its parameters, to use.
 
     For the commands that work on a trained workdir (evaluate, predict,
     export); returns their flag holders. Also marks --config and --workdir required.
@@ -79,8 +79,14 @@ def define_trained_run_flags():
     config = config_flags.DEFINE_config_file("config", None, "Path to the training config file.", lock_config=True)
     workdir = flags.DEFINE_string("workdir", None, "The training run's directory (its checkpoints are read).")
     checkpoint = flags.DEFINE_string("checkpoint", "last", "Which parameters: last, best, or a checkpoint step.")
+    raw_params = flags.DEFINE_bool(
+        "raw_params",
+        False,
+        "Use the trained parameters themselves where the run kept an EMA of them (optimizer.ema_decay > 0), "
+        "which is used by default.",
+    )
     flags.mark_flags_as_required(["config", "workdir"])
-    return config, workdir, checkpoint
+    return config, workdir, checkpoint, raw_params
 
 
 def use_fake_cpu_devices(count: int) -> None:

@@ -19,7 +19,7 @@ from detector import cli
 from detector.serving.predictor import evaluate_workdir
 from sharding import distributed
 
-_CONFIG, _WORKDIR, _CHECKPOINT = cli.define_trained_run_flags()
+_CONFIG, _WORKDIR, _CHECKPOINT, _RAW_PARAMS = cli.define_trained_run_flags()
 _OUTPUT = flags.DEFINE_string(
     "output", None, "Directory for metrics.json and detections.json (default WORKDIR/evaluation/STEP)."
 )
@@ -28,7 +28,7 @@ distributed.define_flags()
 
 def main(argv: list[str]) -> None:
     cli.start(argv)
-    evaluate_workdir(_CONFIG.value, _WORKDIR.value, _CHECKPOINT.value, _OUTPUT.value)
+    evaluate_workdir(_CONFIG.value, _WORKDIR.value, _CHECKPOINT.value, _OUTPUT.value, raw_params=_RAW_PARAMS.value)
 
 
 if __name__ == "__main__":

@@ -30,7 +30,7 @@ from detector.serving import artifact
 from detector.serving.predictor import load_predictor
 from sharding import distributed
 
-_CONFIG, _WORKDIR, _CHECKPOINT = cli.define_trained_run_flags()
+_CONFIG, _WORKDIR, _CHECKPOINT, _RAW_PARAMS = cli.define_trained_run_flags()
 _BATCH_SIZE = flags.DEFINE_integer("batch_size", 1, "Images per call of the exported program (fixed).")
 _OUTPUT = flags.DEFINE_string(
     "output", None, "Directory for model.jax_exported and model.json (default WORKDIR/export/jax)."
@@ -44,7 +44,7 @@ def main(argv: list[str]) -> None:
         raise ConfigError(f"--batch_size={_BATCH_SIZE.value} must be at least 1")
     # The predictor's own (sharded, compiled) batch size is the config's; the
     # exported program has its own, fixed one.
-    predictor = load_predictor(_CONFIG.value, _WORKDIR.value, _CHECKPOINT.value)
+    predictor = load_predictor(_CONFIG.value, _WORKDIR.value, _CHECKPOINT.value, raw_params=_RAW_PARAMS.value)
     output = _OUTPUT.value or epath.Path(_WORKDIR.value) / "export" / "jax"
     written = artifact.export_to_directory(predictor, _BATCH_SIZE.value, output, checkpoint=_CHECKPOINT.value)
     if written is not None:

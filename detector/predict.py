@@ -23,7 +23,7 @@ from detector.errors import ConfigError
 from detector.serving.predictor import load_predictor, predict_images
 from sharding import distributed
 
-_CONFIG, _WORKDIR, _CHECKPOINT = cli.define_trained_run_flags()
+_CONFIG, _WORKDIR, _CHECKPOINT, _RAW_PARAMS = cli.define_trained_run_flags()
 _OUTPUT = flags.DEFINE_string("output", None, "Directory for detections.json, images.json and the pictures.")
 _SCORE_THRESHOLD = flags.DEFINE_float("score_threshold", 0.3, "Detections scoring less are dropped.")
 _MAX_DETECTIONS = flags.DEFINE_integer(
@@ -50,7 +50,9 @@ def main(argv: list[str]) -> None:
         if _MAX_DETECTIONS.value < 1:
             raise ConfigError(f"--max_detections={_MAX_DETECTIONS.value} must be at least 1")
         config.postprocess.max_detections = _MAX_DETECTIONS.value
-    predictor = load_predictor(config, _WORKDIR.value, _CHECKPOINT.value, batch_size=_BATCH_SIZE.value)
+    predictor = load_predictor(
+        config, _WORKDIR.value, _CHECKPOINT.value, batch_size=_BATCH_SIZE.value, raw_params=_RAW_PARAMS.value
+    )
     predict_images(predictor, inputs, _OUTPUT.value)
 
 

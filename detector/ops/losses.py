@@ -87,6 +87,7 @@ def retinanet_loss(
     box_loss_weight: float = 1.0,
     box_coder_weights: Sequence[float] = (1.0, 1.0, 1.0, 1.0),
     example_mask=None,
+    normalizer=None,
 ):
     """RetinaNet loss for a batch: focal classification + box regression.
 
@@ -112,6 +113,10 @@ def retinanet_loss(
         box_coder_weights: ``(wy, wx, wh, ww)`` of the box coding.
         example_mask: optional ``[B]`` bool/float; 0 removes a (padding) example
             from every term and from the positive count.
+        normalizer: what both terms are divided by; default the positive
+            count of this batch (at least 1). Gradient accumulation passes 1
+            to get sums, and divides the sums of all micro-batches by the
+            positive count of the whole global batch.
 
     Returns:
         ``(total_loss, terms)``: ``total_loss`` a f32 scalar equal to
@@ -151,7 +156,8 @@ def retinanet_loss(
         example_weight = jnp.asarray(example_mask).astype(jnp.float32)
     positive = targets["positive"].astype(jnp.float32) * example_weight[:, None]
     num_positives = jnp.sum(positive)
-    normalizer = jnp.maximum(num_positives, 1.0)
+    if normalizer is None:
+        normalizer = jnp.maximum(num_positives, 1.0)
 
     # one_hot(-1) is all zeros: background anchors get an all-negative target.
     cls_targets = jax.nn.one_hot(targets["labels"], num_classes, dtype=jnp.float32)

@@ -26,6 +26,7 @@ from PIL import Image, ImageOps, UnidentifiedImageError
 
 import input_pipeline
 import sharding
+from detector.errors import ConfigError
 from detector.models.retinanet import create_model
 from detector.serving import coco_evaluation, drawing
 from detector.training import checkpointing, steps
@@ -74,14 +75,28 @@ class Predictor:
 
 
 def load_predictor(
-    config: ml_collections.ConfigDict, workdir: str, checkpoint: str = "last", *, batch_size: int | None = None
+    config: ml_collections.ConfigDict,
+    workdir: str,
+    checkpoint: str = "last",
+    *,
+    batch_size: int | None = None,
+    raw_params: bool = False,
 ) -> Predictor:
     """Builds the config's model on its mesh and loads `checkpoint` ("last", "best" or a step) from `workdir`.
 
     `batch_size` (default `config.eval_batch_size`) must be a multiple of the
-    mesh's data-parallel size.
+    mesh's data-parallel size. A run that kept an EMA of its parameters
+    (`optimizer.ema_decay` > 0) is loaded with the EMA ones unless
+    `raw_params`; its best checkpoint holds the EMA parameters it was
+    evaluated with, so `raw_params` needs "last" or a step there.
     """
     batch_size = int(batch_size or config.eval_batch_size)
+    use_ema = float(config.optimizer.ema_decay) > 0 and not raw_params
+    if raw_params and float(config.optimizer.ema_decay) > 0 and str(checkpoint).strip().lower() == "best":
+        raise ConfigError(
+            "--raw_params with --checkpoint=best: the best checkpoint holds the EMA parameters it was evaluated "
+            "with; use --checkpoint=last or a step for the raw ones"
+        )
     mesh = sharding.create_mesh(config.mesh)
     rules = sharding.logical_rules(config.sharding)
     sharding.check_global_batch(batch_size, mesh)
@@ -89,13 +104,14 @@ def load_predictor(
     model = create_model(config.model, dataset_info.num_classes, steps.num_anchors_per_location(config))
     with sharding.use_mesh(mesh, rules):
         abstract_params, shardings = params_shardings(model, tuple(config.input.image_size), mesh, rules)
-        params, step = checkpointing.restore_params(workdir, checkpoint, abstract_params)
+        params, step = checkpointing.restore_params(workdir, checkpoint, abstract_params, ema=use_ema)
         start = time.perf_counter()
         predict = steps.compile_predict_step(
             config, model, abstract_params=abstract_params, param_shardings=shardings, mesh=mesh, batch_size=batch_size
         )
     logging.info(
-        "loaded the parameters of step %d (%s) from %s; compiled predict for batches of %d in %.1fs",
+        "loaded the %sparameters of step %d (%s) from %s; compiled predict for batches of %d in %.1fs",
+        "EMA " if use_ema else "",
         step,
         checkpoint,
         workdir,
@@ -124,10 +140,18 @@ DETECTIONS_FILE = "detections.json"
 
 
 def evaluate_workdir(
-    config: ml_collections.ConfigDict, workdir: str, checkpoint: str = "last", output: str | None = None
+    config: ml_collections.ConfigDict,
+    workdir: str,
+    checkpoint: str = "last",
+    output: str | None = None,
+    *,
+    raw_params: bool = False,
 ) -> dict[str, Any] | None:
-    """Evaluates `checkpoint` of `workdir`; returns the metrics.json content on process 0 (None elsewhere)."""
-    predictor = load_predictor(config, workdir, checkpoint)
+    """Evaluates `checkpoint` of `workdir`; returns the metrics.json content on process 0 (None elsewhere).
+
+    `raw_params`: see `load_predictor`.
+    """
+    predictor = load_predictor(config, workdir, checkpoint, raw_params=raw_params)
     start = time.perf_counter()
     eval_iter = input_pipeline.create_eval_iterator(predictor.config, first_row=predictor.first_row())
     batches = (predictor.global_batch(batch) for batch in eval_iter.batches)

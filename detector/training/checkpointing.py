@@ -13,6 +13,8 @@ import logging
 import os
 from typing import Any
 
+import jax
+import jax.numpy as jnp
 import orbax.checkpoint as ocp
 from etils import epath
 
@@ -21,7 +23,20 @@ from detector.training.train_state import TrainState
 STATE_ITEM = "state"
 METADATA_ITEM = "metadata"
 PARAMS_ITEM = "params"
+EMA_ITEM = "ema_params"
 BEST_METRIC = "AP"
+
+
+def _state_item(state: TrainState) -> dict[str, Any]:
+    """The state as the tree a checkpoint holds: its fields, without an EMA that is off.
+
+    A run without EMA writes exactly the tree it always wrote, so its
+    checkpoints and older ones restore alike.
+    """
+    item = {"step": state.step, "params": state.params, "opt_state": state.opt_state}
+    if state.ema_params is not None:
+        item[EMA_ITEM] = state.ema_params
+    return item
 
 
 def _absolute(workdir: str) -> epath.Path:
@@ -63,7 +78,7 @@ def save(manager: ocp.CheckpointManager, step: int, state: TrainState, metadata:
     saved = manager.save(
         step,
         args=ocp.args.Composite(
-            **{STATE_ITEM: ocp.args.StandardSave(state), METADATA_ITEM: ocp.args.JsonSave(metadata)}
+            **{STATE_ITEM: ocp.args.StandardSave(_state_item(state)), METADATA_ITEM: ocp.args.JsonSave(metadata)}
         ),
         # The trainer decides when to save (its interval and the last step).
         force=True,
@@ -80,23 +95,46 @@ def restore_latest(
     step = manager.latest_step()
     if step is None:
         return None
+    target = _state_item(abstract_state)
+    has_ema = EMA_ITEM in _stored_state_keys(manager, step)
+    if EMA_ITEM in target and not has_ema:
+        # EMA turned on for a run that trained without it: it starts from the restored parameters.
+        del target[EMA_ITEM]
+        logging.warning("checkpoint of step %d holds no EMA of the parameters; the EMA starts from them", step)
+    elif has_ema and EMA_ITEM not in target:
+        # Read (the tree must match what is stored) and dropped.
+        target[EMA_ITEM] = abstract_state.params
+        logging.warning("checkpoint of step %d holds an EMA of the parameters; optimizer.ema_decay=0 drops it", step)
     restored = manager.restore(
         step,
         args=ocp.args.Composite(
-            **{STATE_ITEM: ocp.args.StandardRestore(abstract_state), METADATA_ITEM: ocp.args.JsonRestore()}
+            **{STATE_ITEM: ocp.args.StandardRestore(target), METADATA_ITEM: ocp.args.JsonRestore()}
         ),
     )
     logging.info("checkpoint: restored step %d from %s", step, manager.directory)
-    return restored[STATE_ITEM], dict(restored[METADATA_ITEM] or {})
+    item = dict(restored[STATE_ITEM])
+    ema = item.get(EMA_ITEM) if abstract_state.ema_params is not None else None
+    if ema is None and abstract_state.ema_params is not None:
+        ema = jax.tree.map(jnp.copy, item[PARAMS_ITEM])
+    state = TrainState(step=item["step"], params=item[PARAMS_ITEM], opt_state=item["opt_state"], ema_params=ema)
+    return state, dict(restored[METADATA_ITEM] or {})
 
 
-def restore_params(workdir: str, which: str, abstract_params: Any) -> tuple[Any, int]:
+def _stored_state_keys(manager: ocp.CheckpointManager, step: int) -> set[str]:
+    """Top-level keys of the state tree stored at `step`, from its metadata (no array is read)."""
+    metadata = ocp.StandardCheckpointer().metadata(epath.Path(manager.directory) / str(step) / STATE_ITEM)
+    tree = metadata.item_metadata.tree
+    return set(tree) if isinstance(tree, dict) else set()
+
+
+def restore_params(workdir: str, which: str, abstract_params: Any, *, ema: bool = False) -> tuple[Any, int]:
     """(parameters, step) of a trained workdir, placed by `abstract_params`' shardings.
 
     `which`: "last" (the newest checkpoint), "best" (the best evaluation's
-    parameters), or a step number of a kept checkpoint. Only the parameters
-    are read, not the optimizer state. Raises FileNotFoundError naming what
-    is there instead.
+    parameters: the EMA ones in a run that kept an EMA), or a step number of
+    a kept checkpoint. With `ema`, a checkpoint's EMA of the parameters is
+    read instead of the parameters. Only those are read, not the optimizer
+    state. Raises FileNotFoundError naming what is there instead.
     """
     which = str(which).strip().lower()
     directory = best_dir(workdir) if which == "best" else checkpoint_dir(workdir)
@@ -121,11 +159,16 @@ def restore_params(workdir: str, which: str, abstract_params: Any) -> tuple[Any,
                 f"--checkpoint={which}: no such checkpoint in {checkpoint_dir(workdir)} (steps there: "
                 f"{', '.join(map(str, steps)) or 'none'}); use last, best or one of those steps"
             )
-        item, target = STATE_ITEM, {PARAMS_ITEM: abstract_params}
+        item, target = STATE_ITEM, {EMA_ITEM if ema else PARAMS_ITEM: abstract_params}
     try:
         if step is None:
             raise FileNotFoundError(
                 f"no complete checkpoint in {directory}; train first (python -m detector.train) or check --workdir"
+            )
+        if which != "best" and ema and EMA_ITEM not in _stored_state_keys(manager, step):
+            raise FileNotFoundError(
+                f"the checkpoint of step {step} in {directory} holds no EMA of the parameters (trained with "
+                "optimizer.ema_decay=0); pass --raw_params, or --config.optimizer.ema_decay=0"
             )
         restore_args = ocp.checkpoint_utils.construct_restore_args(target)
         # The full train state holds the optimizer state too; read the parameters alone.
@@ -137,7 +180,7 @@ def restore_params(workdir: str, which: str, abstract_params: Any) -> tuple[Any,
         )[item]
     finally:
         manager.close()
-    return (restored if which == "best" else restored[PARAMS_ITEM]), int(step)
+    return (restored if which == "best" else restored[EMA_ITEM if ema else PARAMS_ITEM]), int(step)
 
 
 def input_position(metadata: dict[str, Any], step: int, global_batch_size: int) -> int:

@@ -53,13 +53,17 @@ class Evaluator:
         self._data_report = data_report
         self._best_manager = best_manager
         self._is_primary = is_primary
+        self._ema = float(config.optimizer.ema_decay) > 0
         self._ground_truth = input_pipeline.coco_ground_truth(config) if is_primary else None
         self._pictures = _EvalPictures(
             int(config.eval_pictures), self._config, mesh, dataset_info.class_names, enabled=is_primary
         )
 
     def __call__(self, step: int, params: Any) -> dict[str, float] | None:
-        """Evaluates `params` (of training step `step`); returns the COCO metrics on process 0, else None."""
+        """Evaluates `params` (of training step `step`: the EMA ones when the run keeps an EMA).
+
+        Returns the COCO metrics on process 0, else None.
+        """
         eval_iter = input_pipeline.create_eval_iterator(
             self._config,
             first_row=input_pipeline.process_rows(self._batch_sharding, self._config.global_batch_size),
@@ -86,7 +90,12 @@ class Evaluator:
         checkpointing.save_if_best(self._best_manager, step, params, ap)
         if metrics is not None:
             summary = {k: metrics[k] for k in LOGGED_METRICS}
-            logging.info("eval step %d: %s", step, " ".join(f"{k} {v:.3f}" for k, v in summary.items()))
+            logging.info(
+                "eval step %d%s: %s",
+                step,
+                " (EMA parameters)" if self._ema else "",
+                " ".join(f"{k} {v:.3f}" for k, v in summary.items()),
+            )
             self._writer.write_eval(step, summary)
         self._pictures.write(step, self._predict, params, self._writer)
         if self._is_primary:

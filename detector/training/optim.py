@@ -1,8 +1,14 @@
-"""Optimizer and learning-rate schedule from `config.optimizer`."""
+"""Optimizer, learning-rate schedule and per-parameter learning-rate multipliers from `config.optimizer`."""
 
 from __future__ import annotations
 
+import re
+from collections.abc import Callable
+from typing import Any
+
 import jax
+import jax.numpy as jnp
+import numpy as np
 import optax
 from flax import traverse_util
 
@@ -72,13 +78,108 @@ def frozen_parameters(model_config):
     return mask
 
 
+def _path_string(path) -> str:
+    return "/".join(str(getattr(key, "key", key)) for key in path)
+
+
+def _vit_block_ids(path: str, shape: tuple[int, ...], depth: int, global_every: int) -> np.ndarray | int | None:
+    """Block index (0-based) of a ViT parameter, broadcastable against `shape`; -1: embeddings; None: above.
+
+    Scanned stacks hold several blocks in one array: `stages/windowed/...` is
+    `[stages, windowed per stage, ...]` and `stages/global/...` is
+    `[stages, ...]`; unrolled ones are `stage{s}/windowed{j}/...` and
+    `stage{s}/global/...`. Stage s holds blocks s*g .. s*g + g - 1 (g =
+    global_attention_every), its global block last.
+    """
+    parts = path.split("/")[1:]  # below "backbone"
+    if parts[0] in ("patch_embed", "pos_embed"):
+        return -1
+    g = global_every
+    if parts[0] == "stages":  # scanned stages
+        stages = depth // g
+        if parts[1] == "windowed":
+            ids = np.arange(stages)[:, None] * g + np.arange(g - 1)[None, :]
+        else:
+            ids = np.arange(stages) * g + g - 1
+        return ids.reshape(ids.shape + (1,) * (len(shape) - ids.ndim))
+    match = re.fullmatch(r"stage(\d+)", parts[0])
+    if match:
+        stage = int(match.group(1))
+        if parts[1] == "windowed":  # windowed blocks scanned inside an unrolled stage
+            ids = stage * g + np.arange(g - 1)
+            return ids.reshape(ids.shape + (1,) * (len(shape) - 1))
+        block = re.fullmatch(r"windowed(\d+)", parts[1])
+        return stage * g + (int(block.group(1)) if block else g - 1)
+    return None
+
+
+def learning_rate_multipliers(optimizer_config, model_config) -> Callable[[Any], Any] | None:
+    """`params -> tree of multipliers` (floats or arrays broadcastable to each parameter), or None when all are 1.
+
+    The product of two rules: `optimizer.lr_multipliers` ((regex, multiplier),
+    ...; the first pattern that fully matches a parameter's '/'-joined path
+    applies) and, for a ViT backbone, `optimizer.layer_decay` (ViTDet: block
+    i of a depth-D ViT at decay ** (D - i), the embeddings at decay ** (D + 1),
+    everything above the blocks at 1).
+    """
+    rules = [(re.compile(str(pattern)), float(multiplier)) for pattern, multiplier in optimizer_config.lr_multipliers]
+    for pattern, multiplier in rules:
+        if multiplier < 0:
+            raise ConfigError(f"optimizer.lr_multipliers: {pattern.pattern!r} has multiplier {multiplier}; use >= 0")
+    decay = float(optimizer_config.layer_decay)
+    if not 0.0 < decay <= 1.0:
+        raise ConfigError(f"optimizer.layer_decay={decay}; use a value in (0, 1] (1.0: off)")
+    is_vit = model_config is not None and model_config.backbone.name == "vit"
+    if decay != 1.0 and not is_vit:
+        raise ConfigError(
+            f"optimizer.layer_decay={decay} needs a ViT backbone (model.backbone.name='vit'); "
+            "use optimizer.lr_multipliers for other backbones"
+        )
+    if not rules and decay == 1.0:
+        return None
+
+    def multiplier_of(path, leaf) -> Any:
+        name = _path_string(path)
+        scale = next((m for pattern, m in rules if pattern.fullmatch(name)), 1.0)
+        if decay != 1.0 and name.startswith("backbone/"):
+            backbone = model_config.backbone
+            block = _vit_block_ids(name, leaf.shape, backbone.depth, backbone.global_attention_every)
+            if block is not None:
+                scale = scale * np.power(decay, backbone.depth - np.asarray(block)).astype(np.float32)
+        return scale
+
+    return lambda params: jax.tree_util.tree_map_with_path(multiplier_of, params)
+
+
+def scale_by_multipliers(multipliers: Callable[[Any], Any]) -> optax.GradientTransformation:
+    """Multiplies each parameter's update by its multiplier: that parameter's learning rate times it.
+
+    Applied to the optimizer's final update, so for AdamW and SGD it scales
+    the step and the decoupled weight decay together, as a PyTorch parameter
+    group's `lr` does.
+    """
+
+    def update(updates, state, params=None):
+        del params
+        scaled = jax.tree.map(
+            lambda u, m: u if isinstance(m, float) and m == 1.0 else u * jnp.asarray(m, u.dtype),
+            updates,
+            multipliers(updates),
+        )
+        return scaled, state
+
+    return optax.GradientTransformation(lambda params: optax.EmptyState(), update)
+
+
 def create_optimizer(
     optimizer_config, total_steps: int, *, model_config=None
 ) -> tuple[optax.GradientTransformation, optax.Schedule]:
     """Returns (optimizer, schedule). Names: 'adamw' or 'sgd' (momentum, decoupled decay).
 
     With `model_config` (`config.model`), parameters the model config freezes
-    (see `frozen_parameters`) get zero updates.
+    (see `frozen_parameters`) get zero updates, and `optimizer.layer_decay`
+    knows the ViT's depth. Learning-rate multipliers (`learning_rate_multipliers`)
+    scale each parameter's final update.
     """
     schedule = learning_rate_schedule(optimizer_config, total_steps)
     name = optimizer_config.name
@@ -95,6 +196,9 @@ def create_optimizer(
     if optimizer_config.grad_clip_norm and optimizer_config.grad_clip_norm > 0:
         parts.append(optax.clip_by_global_norm(optimizer_config.grad_clip_norm))
     parts.append(base)
+    multipliers = learning_rate_multipliers(optimizer_config, model_config)
+    if multipliers is not None:
+        parts.append(scale_by_multipliers(multipliers))
     tx = optax.chain(*parts)
     frozen = frozen_parameters(model_config) if model_config is not None else None
     if frozen is not None:

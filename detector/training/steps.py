@@ -7,6 +7,7 @@ anchors); the trainer compiles them ahead of time with explicit shardings.
 from __future__ import annotations
 
 import functools
+import math
 from collections.abc import Callable
 from typing import Any
 
@@ -16,8 +17,10 @@ import jax.numpy as jnp
 import ml_collections
 import numpy as np
 import optax
+from jax.sharding import NamedSharding, PartitionSpec
 
 import sharding
+from detector.errors import ConfigError
 from detector.ops import anchors as anchors_lib
 from detector.ops import losses, postprocess
 from detector.training import optim
@@ -40,9 +43,20 @@ def num_anchors_per_location(config) -> int:
 
 
 def loss_fn(
-    params, batch: dict[str, jax.Array], *, model: nn.Module, anchors: np.ndarray, loss_config, num_classes: int
+    params,
+    batch: dict[str, jax.Array],
+    *,
+    model: nn.Module,
+    anchors: np.ndarray,
+    loss_config,
+    num_classes: int,
+    normalizer: jax.Array | float | None = None,
 ) -> tuple[jax.Array, dict[str, jax.Array]]:
-    """Mean detection loss of a global batch; returns (loss, terms)."""
+    """Detection loss of a batch; returns (loss, terms).
+
+    Normalised by the batch's positive anchors, or divided by `normalizer`
+    when given (1: sums, for gradient accumulation).
+    """
     cls_logits, box_deltas = model.apply({"params": params}, batch["image"])
     return losses.retinanet_loss(
         cls_logits,
@@ -62,7 +76,38 @@ def loss_fn(
         box_loss_weight=loss_config.box_loss_weight,
         box_coder_weights=tuple(loss_config.box_coder_weights),
         example_mask=batch["example_mask"],
+        normalizer=normalizer,
     )
+
+
+def split_micro_batches(batch: dict[str, jax.Array], count: int, micro_batch_sharding=None) -> dict[str, jax.Array]:
+    """`[B, ...]` -> `[count, B / count, ...]`: micro-batch k holds rows k, k + count, k + 2 count, ...
+
+    Interleaved rather than contiguous so that, with the batch split over
+    devices in contiguous blocks, every micro-batch keeps an equal share on
+    every device and splitting moves no data (`micro_batch_sharding`:
+    P(None, batch axes)).
+    """
+
+    def split(x):
+        x = jnp.swapaxes(x.reshape(x.shape[0] // count, count, *x.shape[1:]), 0, 1)
+        return x if micro_batch_sharding is None else jax.lax.with_sharding_constraint(x, micro_batch_sharding)
+
+    return jax.tree.map(split, batch)
+
+
+def ema_update(ema_params, params, step: jax.Array, *, decay: float, warmup: bool):
+    """One update of the parameters' exponential moving average, in float32.
+
+    With `warmup` the decay at update `step` is min(decay, (1 + step) / (10 + step)):
+    the average follows the parameters closely at first and forgets its
+    random start (TF's ExponentialMovingAverage with num_updates).
+    """
+    rate = jnp.asarray(decay, jnp.float32)
+    if warmup:
+        t = step.astype(jnp.float32)
+        rate = jnp.minimum(rate, (1.0 + t) / (10.0 + t))
+    return jax.tree.map(lambda e, p: (e - (1.0 - rate) * (e - p.astype(e.dtype))).astype(e.dtype), ema_params, params)
 
 
 def train_step(
@@ -76,25 +121,63 @@ def train_step(
     loss_config,
     num_classes: int,
     frozen: Callable[[Any], Any] | None = None,
+    accumulate_steps: int = 1,
+    micro_batch_sharding: Any = None,
+    ema_decay: float = 0.0,
+    ema_warmup: bool = True,
 ) -> tuple[TrainState, dict[str, jax.Array]]:
     """One optimizer step on a global batch. Returns (new_state, scalar metrics).
 
     `frozen` (`optim.frozen_parameters`: params -> tree of bools) names the
     parameters that never train; their gradients are not computed at all.
-    When the loss or the gradient is not finite, parameters and optimizer
-    state are returned unchanged and metrics['nonfinite'] is 1.
+    With `accumulate_steps` K > 1 the batch goes through the network as K
+    micro-batches in a `lax.scan` (activations of one micro-batch at a time),
+    their loss sums and gradients are added, and the totals are divided by
+    the whole batch's positive count: the same update as one pass over the
+    batch. With `ema_decay` > 0 the state's EMA follows the new parameters.
+    When the loss or the gradient is not finite, parameters, optimizer state
+    and EMA are returned unchanged and metrics['nonfinite'] is 1.
     """
 
-    def loss_of_trainable(params, batch):
+    def loss_of_trainable(params, batch, normalizer=None):
         if frozen is not None:
             # The optimizer ignores these gradients anyway; stopping them here
             # also drops their backward pass (kernel gradients, and the input
             # gradients below the lowest trainable layer) from the program.
             params = jax.tree.map(lambda p, fixed: jax.lax.stop_gradient(p) if fixed else p, params, frozen(params))
-        return loss_fn(params, batch, model=model, anchors=anchors, loss_config=loss_config, num_classes=num_classes)
+        return loss_fn(
+            params,
+            batch,
+            model=model,
+            anchors=anchors,
+            loss_config=loss_config,
+            num_classes=num_classes,
+            normalizer=normalizer,
+        )
 
     grad_fn = jax.value_and_grad(loss_of_trainable, has_aux=True)
-    (loss, terms), grads = grad_fn(state.params, batch)
+    if accumulate_steps == 1:
+        (loss, terms), grads = grad_fn(state.params, batch)
+    else:
+
+        def add_micro_batch(totals, micro_batch):
+            (loss_sum, sums), grads = grad_fn(state.params, micro_batch, 1.0)
+            return jax.tree.map(jnp.add, totals, (grads, {"loss": loss_sum, **sums})), None
+
+        zeros = (
+            jax.tree.map(jnp.zeros_like, state.params),
+            {key: jnp.zeros((), jnp.float32) for key in ("loss", "cls_loss", "box_loss", "num_positives")},
+        )
+        micro_batches = split_micro_batches(batch, accumulate_steps, micro_batch_sharding)
+        (grad_sums, sums), _ = jax.lax.scan(add_micro_batch, zeros, micro_batches)
+        normalizer = jnp.maximum(sums["num_positives"], 1.0)
+        grads = jax.tree.map(lambda g: g / normalizer, grad_sums)
+        loss = sums["loss"] / normalizer
+        terms = {
+            "cls_loss": sums["cls_loss"] / normalizer,
+            "box_loss": sums["box_loss"] / normalizer,
+            "num_positives": sums["num_positives"],
+        }
     grad_norm = optax.tree.norm(grads)
     updates, new_opt_state = tx.update(grads, state.opt_state, state.params)
     new_params = optax.apply_updates(state.params, updates)
@@ -109,6 +192,12 @@ def train_step(
 
     params = jax.tree.map(keep_if_finite, new_params, state.params)
     opt_state = jax.tree.map(keep_if_finite, new_opt_state, state.opt_state)
+    ema_params = state.ema_params
+    if ema_decay > 0:
+        # `params` already fell back to the old ones on a skipped step, but the
+        # average must not take a step either.
+        new_ema = ema_update(state.ema_params, params, state.step, decay=ema_decay, warmup=ema_warmup)
+        ema_params = jax.tree.map(keep_if_finite, new_ema, state.ema_params)
     metrics = {
         "loss": loss,
         "cls_loss": terms["cls_loss"],
@@ -118,7 +207,8 @@ def train_step(
         "learning_rate": schedule(state.step),
         "nonfinite": jnp.logical_not(finite).astype(jnp.float32),
     }
-    return state.replace(step=state.step + 1, params=params, opt_state=opt_state), metrics
+    new_state = state.replace(step=state.step + 1, params=params, opt_state=opt_state, ema_params=ema_params)
+    return new_state, metrics
 
 
 def predict_step(
@@ -168,6 +258,29 @@ def abstract_batch(
     )
 
 
+def ema_decay_of(optimizer_config) -> float:
+    """`optimizer.ema_decay`, checked: 0 (off) or in (0, 1)."""
+    decay = float(optimizer_config.ema_decay)
+    if not 0.0 <= decay < 1.0:
+        raise ConfigError(f"optimizer.ema_decay={decay}; use 0 (off) or a decay in (0, 1), e.g. 0.9998")
+    return decay
+
+
+def check_accumulate_steps(config: ml_collections.ConfigDict, mesh: jax.sharding.Mesh) -> int:
+    """`optimizer.accumulate_steps`, checked: each micro-batch must split evenly over the batch shards."""
+    steps = config.optimizer.accumulate_steps
+    if not isinstance(steps, int) or steps < 1:
+        raise ConfigError(f"optimizer.accumulate_steps={steps!r}; use a whole number >= 1")
+    shards = math.prod(mesh.shape[axis] for axis in sharding.batch_axes(mesh))
+    if config.global_batch_size % (steps * shards):
+        raise ConfigError(
+            f"optimizer.accumulate_steps={steps}: global_batch_size={config.global_batch_size} must be a multiple "
+            f"of accumulate_steps x batch shards (data x fsdp = {shards}) = {steps * shards}, so every "
+            "micro-batch splits evenly over the devices; change one of the three"
+        )
+    return steps
+
+
 def compile_train_step(
     config: ml_collections.ConfigDict,
     model: nn.Module,
@@ -184,8 +297,13 @@ def compile_train_step(
     Returns (compiled step `(state, global_batch) -> (state, metrics)`,
     abstract state carrying its shardings, state shardings).
     """
-    abstract_state, shardings = state_shardings(model, tx, tuple(config.input.image_size), mesh, rules)
-    batch_sharding = sharding.batch_sharding(mesh, sharding.batch_axes(mesh))
+    ema_decay = ema_decay_of(config.optimizer)
+    abstract_state, shardings = state_shardings(
+        model, tx, tuple(config.input.image_size), mesh, rules, ema=ema_decay > 0
+    )
+    batch_axes = sharding.batch_axes(mesh)
+    batch_sharding = sharding.batch_sharding(mesh, batch_axes)
+    accumulate_steps = check_accumulate_steps(config, mesh)
     train_fn = jax.jit(
         functools.partial(
             train_step,
@@ -196,6 +314,10 @@ def compile_train_step(
             loss_config=config.loss,
             num_classes=num_classes,
             frozen=optim.frozen_parameters(config.model),
+            accumulate_steps=accumulate_steps,
+            micro_batch_sharding=NamedSharding(mesh, PartitionSpec(None, batch_axes)),
+            ema_decay=ema_decay,
+            ema_warmup=bool(config.optimizer.ema_warmup),
         ),
         in_shardings=(shardings, batch_sharding),
         out_shardings=(shardings, sharding.replicated(mesh)),

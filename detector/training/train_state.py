@@ -25,6 +25,9 @@ class TrainState:
     step: jax.Array  # int32 scalar: optimizer steps taken
     params: Any
     opt_state: Any
+    # The exponential moving average of `params` (`optimizer.ema_decay` > 0),
+    # sharded like them; None when off.
+    ema_params: Any = None
 
 
 def _strip_axis_metadata(boxed_params):
@@ -58,12 +61,19 @@ def params_shardings(model: nn.Module, image_size: tuple[int, int], mesh: Mesh, 
 
 
 def state_shardings(
-    model: nn.Module, tx: optax.GradientTransformation, image_size: tuple[int, int], mesh: Mesh, rules
+    model: nn.Module,
+    tx: optax.GradientTransformation,
+    image_size: tuple[int, int],
+    mesh: Mesh,
+    rules,
+    *,
+    ema: bool = False,
 ) -> tuple[TrainState, TrainState]:
     """Returns (abstract_state, shardings) without allocating parameters.
 
     `abstract_state` holds `jax.ShapeDtypeStruct`s carrying their sharding, the
-    form Orbax needs to restore a checkpoint onto this mesh.
+    form Orbax needs to restore a checkpoint onto this mesh. With `ema`, the
+    state holds an EMA of the parameters, sharded like them.
     Must run inside `sharding.use_mesh(mesh, rules)`.
     """
     abstract_params, param_shardings = params_shardings(model, image_size, mesh, rules)
@@ -75,9 +85,17 @@ def state_shardings(
         param_shardings,
         transform_non_params=lambda _: replicated(mesh),
     )
-    shardings = TrainState(step=replicated(mesh), params=param_shardings, opt_state=opt_shardings)
+    shardings = TrainState(
+        step=replicated(mesh),
+        params=param_shardings,
+        opt_state=opt_shardings,
+        ema_params=param_shardings if ema else None,
+    )
     abstract = TrainState(
-        step=jax.ShapeDtypeStruct((), jnp.int32), params=abstract_params, opt_state=abstract_opt_state
+        step=jax.ShapeDtypeStruct((), jnp.int32),
+        params=abstract_params,
+        opt_state=abstract_opt_state,
+        ema_params=abstract_params if ema else None,
     )
     abstract = jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), abstract, shardings)
     return abstract, shardings
@@ -90,11 +108,15 @@ def init_train_state(
     shardings: TrainState,
     rng: jax.Array,
 ) -> TrainState:
-    """Initialises the state directly in its sharded layout (no host-side full copy)."""
+    """Initialises the state directly in its sharded layout (no host-side full copy).
+
+    The EMA, when `shardings` has one, starts as a copy of the parameters.
+    """
 
     def init(rng):
         params = _strip_axis_metadata(_init_params(model, image_size, rng))
-        return TrainState(step=jnp.zeros((), jnp.int32), params=params, opt_state=tx.init(params))
+        ema = jax.tree.map(jnp.copy, params) if shardings.ema_params is not None else None
+        return TrainState(step=jnp.zeros((), jnp.int32), params=params, opt_state=tx.init(params), ema_params=ema)
 
     return jax.jit(init, out_shardings=shardings)(rng)
 

@@ -13,6 +13,7 @@ import time
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 import ml_collections
 import optax
 from absl import logging
@@ -75,7 +76,7 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict[
             config, start.state, programs.train, train_iter, mesh, manager, evaluate, writer, data_report, is_primary
         )
         if not stopped_early:
-            checkpointing.export_params(workdir, state.params)
+            checkpointing.export_params(workdir, evaluated_params(state))
     finally:
         # Let an in-flight async save finish so the newest checkpoint is complete.
         manager.wait_until_finished()
@@ -87,6 +88,11 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict[
     if is_primary and last_metrics is not None:
         logging.info("final COCO metrics: %s", json.dumps({k: round(v, 4) for k, v in last_metrics.items()}))
     return last_metrics
+
+
+def evaluated_params(state: TrainState) -> Any:
+    """What evaluation, the best checkpoint and the export use: the EMA of the parameters when kept, else them."""
+    return state.ema_params if state.ema_params is not None else state.params
 
 
 def _prepare_workdir(config: ml_collections.ConfigDict, workdir: str, is_primary: bool) -> epath.Path:
@@ -179,6 +185,8 @@ def _restore_or_init(config, manager, model, tx: optax.GradientTransformation, p
     if pretrained:
         # Only on a fresh start: a resumed run continues from its own checkpoint.
         state = state.replace(params=load_backbone_params(state.params, pretrained))
+        if state.ema_params is not None:
+            state = state.replace(ema_params=jax.tree.map(jnp.copy, state.params))
         logging.info("backbone initialised from %s", pretrained)
     return _Start(state, 0, 0)
 
@@ -231,10 +239,10 @@ def _train_loop(
                 break
             if step % config.eval_every_steps == 0 or step == total_steps:
                 eval_start = time.perf_counter()
-                last_metrics = evaluate(step, state.params)
+                last_metrics = evaluate(step, evaluated_params(state))
                 window.exclude(time.perf_counter() - eval_start)  # eval time is not training throughput
 
         if start_step >= total_steps:
             logging.info("workdir already holds a checkpoint at step %d >= total_steps; evaluating it", start_step)
-            last_metrics = evaluate(start_step, state.params)
+            last_metrics = evaluate(start_step, evaluated_params(state))
     return state, last_metrics, stopped_early

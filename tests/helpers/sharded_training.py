@@ -26,15 +26,18 @@ def abstract_state_on_mesh(config, mesh) -> TrainState:
     model = create_model(config.model, info.num_classes, steps.num_anchors_per_location(config))
     tx, _ = optim.create_optimizer(config.optimizer, config.total_steps, model_config=config.model)
     with sharding.use_mesh(mesh, rules):
-        abstract_state, _ = state_shardings(model, tx, tuple(config.input.image_size), mesh, rules)
+        abstract_state, _ = state_shardings(
+            model, tx, tuple(config.input.image_size), mesh, rules, ema=steps.ema_decay_of(config.optimizer) > 0
+        )
     return abstract_state
 
 
 def train_on_mesh(config, mesh_shape, initial_params, batches, num_classes: int) -> types.SimpleNamespace:
     """Runs the AOT-compiled, state-donating train step from `initial_params` over `batches`.
 
-    Returns metrics (one dict per step), params (flat {'a/b/kernel': array})
-    and param_specs (flat {'a/b/kernel': 'PartitionSpec(...)'}).
+    Returns metrics (one dict per step), params (flat {'a/b/kernel': array}),
+    ema_params (flat, or None when the config keeps no EMA) and param_specs
+    (flat {'a/b/kernel': 'PartitionSpec(...)'}).
     """
     devices = jax.devices()[: math.prod(mesh_shape)]
     mesh = sharding.create_mesh(dict(zip(sharding.MESH_AXES, mesh_shape)), devices=devices)
@@ -51,6 +54,9 @@ def train_on_mesh(config, mesh_shape, initial_params, batches, num_classes: int)
             step=jax.device_put(np.int32(0), shardings.step),
             params=params,
             opt_state=jax.jit(tx.init, out_shardings=shardings.opt_state)(params),
+            ema_params=None
+            if shardings.ema_params is None
+            else jax.device_put(jax.device_get(initial_params), shardings.ema_params),
         )
     param_specs = describe_param_shardings(state.params)
     metrics = []
@@ -58,7 +64,10 @@ def train_on_mesh(config, mesh_shape, initial_params, batches, num_classes: int)
         state, step_metrics = compiled(state, input_pipeline.to_global_batch(batch, mesh, sharding.batch_axes(mesh)))
         metrics.append(jax.device_get(step_metrics))
     params = flax.traverse_util.flatten_dict(jax.device_get(state.params), sep="/")
-    return types.SimpleNamespace(metrics=metrics, params=params, param_specs=param_specs)
+    ema_params = None
+    if state.ema_params is not None:
+        ema_params = flax.traverse_util.flatten_dict(jax.device_get(state.ema_params), sep="/")
+    return types.SimpleNamespace(metrics=metrics, params=params, ema_params=ema_params, param_specs=param_specs)
 
 
 def assert_same_training(

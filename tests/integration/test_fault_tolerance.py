@@ -248,6 +248,30 @@ def test_killed_and_preempted_runs_end_with_the_uninterrupted_parameters(referen
     assert [line["step"] for line in read_jsonl(tmp_path / "eval_metrics.jsonl")] == [TOTAL_STEPS]
 
 
+def test_a_killed_run_with_accumulation_and_an_ema_ends_with_the_uninterrupted_state(data_dir, cache_dir, tmp_path):
+    """Two micro-batches per update and an EMA on 2 devices: kill -9 after step 5, resume from step 4, same end."""
+    recipe = {"optimizer.accumulate_steps": 2, "optimizer.ema_decay": 0.9}
+    uninterrupted, interrupted = tmp_path / "uninterrupted", tmp_path / "interrupted"
+    [run] = start_processes(train_command(data_dir, uninterrupted, **recipe), 1, 2, cache_dir)
+    assert run.finish() == 0, run.output[-3000:]
+
+    [run] = start_processes(train_command(data_dir, interrupted, **recipe), 1, 2, cache_dir)
+    run.wait_for(r"step 5/8")
+    run.kill(signal.SIGKILL)
+    run.finish()
+    [run] = start_processes(train_command(data_dir, interrupted, **recipe), 1, 2, cache_dir)
+    run.wait_for(r"resuming from step [24]\b")
+    assert run.finish() == 0, run.output[-3000:]
+
+    final, expected = saved_state(interrupted, TOTAL_STEPS), saved_state(uninterrupted, TOTAL_STEPS)
+    assert set(final) == set(expected) == {"step", "params", "opt_state", "ema_params"}
+    for actual, wanted in zip(jax.tree.leaves(final), jax.tree.leaves(expected), strict=True):
+        np.testing.assert_array_equal(actual, wanted)
+    ema, params = flat(final["ema_params"]), flat(final["params"])
+    assert any(not np.array_equal(ema[name], params[name]) for name in params)
+    assert_same_metrics(interrupted, uninterrupted)
+
+
 # ----------------------------------------------------------------------------
 # Two processes x 4 devices: the one-process result; SIGTERM to one stops both.
 # ----------------------------------------------------------------------------

@@ -2,18 +2,29 @@ import jax.numpy as jnp
 import numpy as np
 
 from detector.training import checkpointing
+from detector.training.train_state import TrainState
+
+
+def make_state(value: float, step: int = 0, *, ema: bool = False) -> TrainState:
+    params = {"w": jnp.full((2, 3), value)}
+    return TrainState(
+        step=jnp.int32(step),
+        params=params,
+        opt_state={"momentum": jnp.zeros((2, 3))},
+        ema_params={"w": jnp.full((2, 3), -value)} if ema else None,
+    )
 
 
 def test_relative_workdir_saves_and_restores(tmp_path, monkeypatch):
     # The README's command uses --workdir=runs/default; Orbax needs absolute paths.
     monkeypatch.chdir(tmp_path)
     manager = checkpointing.create_manager("runs/relative", max_to_keep=2)
-    state = {"w": jnp.arange(6.0).reshape(2, 3), "step": jnp.int32(3)}
+    state = make_state(1.5, step=3)
     assert checkpointing.save(manager, 3, state, {"step": 3})
     manager.wait_until_finished()
     assert (tmp_path / "runs" / "relative" / "checkpoints" / "3").is_dir()
     restored, metadata = checkpointing.restore_latest(manager, state)
-    np.testing.assert_array_equal(restored["w"], state["w"])
+    np.testing.assert_array_equal(restored.params["w"], state.params["w"])
     assert metadata == {"step": 3}
     manager.close()
 
@@ -21,11 +32,11 @@ def test_relative_workdir_saves_and_restores(tmp_path, monkeypatch):
 def test_keeps_the_last_k(tmp_path):
     manager = checkpointing.create_manager(str(tmp_path), max_to_keep=2)
     for step in (1, 2, 3):
-        checkpointing.save(manager, step, {"w": jnp.full((2,), float(step))}, {"step": step})
+        checkpointing.save(manager, step, make_state(float(step), step), {"step": step})
         manager.wait_until_finished()
     assert manager.all_steps() == [2, 3]
-    restored, _ = checkpointing.restore_latest(manager, {"w": jnp.zeros((2,))})
-    np.testing.assert_array_equal(restored["w"], [3.0, 3.0])
+    restored, _ = checkpointing.restore_latest(manager, make_state(0.0))
+    np.testing.assert_array_equal(restored.params["w"], np.full((2, 3), 3.0))
     manager.close()
 
 
@@ -53,3 +64,31 @@ def test_export_params_writes_params_alone(tmp_path):
     restored = ocp.StandardCheckpointer().restore(path)
     np.testing.assert_array_equal(restored["dense"]["kernel"], np.ones((2, 3)))
     assert set(restored) == {"dense"}  # no optimizer state, no step: parameters only
+
+
+def test_the_ema_is_checkpointed_only_when_kept_and_follows_a_config_change(tmp_path):
+    import orbax.checkpoint as ocp
+
+    manager = checkpointing.create_manager(str(tmp_path / "plain"), max_to_keep=2)
+    checkpointing.save(manager, 1, make_state(2.0, 1), {"step": 1})
+    manager.wait_until_finished()
+    # Without an EMA the stored tree is the one runs have always written.
+    stored = ocp.StandardCheckpointer().metadata(tmp_path / "plain" / "checkpoints" / "1" / "state")
+    assert set(stored.item_metadata.tree) == {"step", "params", "opt_state"}
+    # EMA turned on for that run: it starts from the restored parameters.
+    restored, _ = checkpointing.restore_latest(manager, make_state(0.0, ema=True))
+    np.testing.assert_array_equal(restored.ema_params["w"], np.full((2, 3), 2.0))
+    manager.close()
+
+    manager = checkpointing.create_manager(str(tmp_path / "ema"), max_to_keep=2)
+    checkpointing.save(manager, 1, make_state(2.0, 1, ema=True), {"step": 1})
+    manager.wait_until_finished()
+    restored, _ = checkpointing.restore_latest(manager, make_state(0.0, ema=True))
+    np.testing.assert_array_equal(restored.ema_params["w"], np.full((2, 3), -2.0))
+    np.testing.assert_array_equal(restored.params["w"], np.full((2, 3), 2.0))
+    # EMA turned off: the stored average is read and dropped, and saving works after restoring.
+    restored, _ = checkpointing.restore_latest(manager, make_state(0.0))
+    assert restored.ema_params is None
+    checkpointing.save(manager, 2, restored, {"step": 2})
+    manager.wait_until_finished()
+    manager.close()

@@ -46,3 +46,146 @@ def test_unknown_optimizer_is_a_config_error():
     config.name = "adam2"
     with pytest.raises(ConfigError, match="optimizer.name='adam2'"):
         optim.create_optimizer(config, 10)
+
+
+def _model_params(config):
+    """Initial parameters of `config`'s model (4 classes), as a plain tree."""
+    import jax
+
+    from detector.models.retinanet import create_model
+    from detector.training import steps
+    from detector.training.train_state import _strip_axis_metadata
+
+    model = create_model(config.model, 4, steps.num_anchors_per_location(config))
+    images = jnp.zeros((1, *config.input.image_size, 3))
+    return _strip_axis_metadata(model.init(jax.random.key(0), images)["params"])
+
+
+def _one_adamw_update(config, params, grads):
+    tx, _ = optim.create_optimizer(config.optimizer, 10, model_config=config.model)
+    updates, _ = tx.update(grads, tx.init(params), params)
+    return updates
+
+
+def test_backbone_multiplier_scales_every_backbone_step_and_leaves_the_head_alone():
+    import jax
+    from flax import traverse_util
+
+    config = default.get_config()
+    config.input.image_size = (64, 64)
+    config.optimizer.warmup_steps = 0  # a non-zero learning rate at step 0
+    params = _model_params(config)
+    keys = jax.random.split(jax.random.key(1), len(jax.tree.leaves(params)))
+    grads = jax.tree.unflatten(
+        jax.tree.structure(params), [jax.random.normal(k, p.shape) for k, p in zip(keys, jax.tree.leaves(params))]
+    )
+    full = traverse_util.flatten_dict(_one_adamw_update(config, params, grads), sep="/")
+    config.optimizer.lr_multipliers = (("backbone/.*", 0.1),)
+    scaled = traverse_util.flatten_dict(_one_adamw_update(config, params, grads), sep="/")
+    backbone = [name for name in full if name.startswith("backbone/")]
+    assert backbone and len(backbone) < len(full)
+    for name, update in full.items():
+        if name.startswith("backbone/"):
+            # The step itself (AdamW's direction and its decoupled weight decay) is 0.1x.
+            np.testing.assert_array_equal(scaled[name], update * np.float32(0.1), err_msg=name)
+            assert np.any(update != 0), name
+            # What the parameter moved in float32: 0.1x, up to the rounding of p + update (a few ulps of p).
+            moved = params_after(params, scaled, name) - params_at(params, name)
+            full_moved = params_after(params, full, name) - params_at(params, name)
+            np.testing.assert_allclose(moved, 0.1 * full_moved, rtol=1e-6, atol=1e-7, err_msg=name)
+        else:
+            np.testing.assert_array_equal(scaled[name], update, err_msg=name)
+
+
+def params_at(params, name):
+    from flax import traverse_util
+
+    return np.asarray(traverse_util.flatten_dict(params, sep="/")[name])
+
+
+def params_after(params, flat_updates, name):
+    return (params_at(params, name) + np.asarray(flat_updates[name])).astype(np.float32)
+
+
+def test_first_matching_multiplier_wins_and_frozen_parameters_stay_frozen():
+    from flax import traverse_util
+
+    config = default.get_config()
+    config.input.image_size = (64, 64)
+    config.optimizer.warmup_steps = 0
+    config.model.backbone.freeze_stages = 1  # the stem
+    config.optimizer.lr_multipliers = (("backbone/stem.*", 5.0), ("backbone/.*", 0.5), ("head/.*", 0.0))
+    params = _model_params(config)
+    grads = jax_tree_ones(params)
+    updates = traverse_util.flatten_dict(_one_adamw_update(config, params, grads), sep="/")
+    config.optimizer.lr_multipliers = ()
+    plain = traverse_util.flatten_dict(_one_adamw_update(config, params, grads), sep="/")
+    for name, update in updates.items():
+        if name.startswith("backbone/stem"):
+            np.testing.assert_array_equal(update, 0.0, err_msg=name)  # frozen beats x5
+        elif name.startswith("backbone/"):
+            np.testing.assert_array_equal(update, plain[name] * np.float32(0.5), err_msg=name)
+        elif name.startswith("head/"):
+            np.testing.assert_array_equal(update, 0.0, err_msg=name)
+        else:
+            np.testing.assert_array_equal(update, plain[name], err_msg=name)
+
+
+def jax_tree_ones(tree):
+    import jax
+
+    return jax.tree.map(jnp.ones_like, tree)
+
+
+@pytest.mark.parametrize("scan", [True, False])
+def test_layer_decay_follows_vitdet_block_depth(scan):
+    """Depth 4, a global block every 2: blocks 0 and 2 windowed, 1 and 3 global, scanned or unrolled alike."""
+    from flax import traverse_util
+
+    from configs import vitdet_tiny
+
+    config = vitdet_tiny.get_config()
+    config.model.backbone.scan = scan
+    config.optimizer.layer_decay = 0.5
+    params = _model_params(config)
+    multipliers = traverse_util.flatten_dict(
+        optim.learning_rate_multipliers(config.optimizer, config.model)(params), sep="/"
+    )
+    flat_params = traverse_util.flatten_dict(params, sep="/")
+    depth = config.model.backbone.depth
+
+    def block_of(name):  # the block index by name, independently of the scanned layout
+        parts = name.split("/")
+        if parts[1] in ("patch_embed", "pos_embed"):
+            return -1
+        if parts[1].startswith("stage") and parts[1] != "stages":
+            stage = int(parts[1][len("stage") :])
+            return stage * 2 + (1 if parts[2] == "global" else int(parts[2][len("windowed") :] or 0))
+        return None
+
+    for name, multiplier in multipliers.items():
+        value = np.broadcast_to(np.asarray(multiplier, np.float32), flat_params[name].shape)
+        if not name.startswith("backbone/") or name == "backbone/norm/scale" or name == "backbone/norm/bias":
+            np.testing.assert_array_equal(value, 1.0, err_msg=name)
+        elif scan and name.startswith("backbone/stages/"):
+            stacked = name.split("/")[2]  # windowed: [stage, layer, ...]; global: [stage, ...]
+            for stage in range(depth // 2):
+                block = stage * 2 + (1 if stacked == "global" else 0)
+                np.testing.assert_allclose(value[stage], 0.5 ** (depth - block), err_msg=name)
+        else:
+            np.testing.assert_allclose(value, 0.5 ** (depth - block_of(name)), err_msg=name)
+    assert multipliers["backbone/pos_embed"] == pytest.approx(0.5 ** (depth + 1))
+
+
+def test_bad_multipliers_are_config_errors():
+    config = default.get_config()
+    config.optimizer.layer_decay = 0.8
+    with pytest.raises(ConfigError, match="layer_decay=0.8 needs a ViT backbone"):
+        optim.create_optimizer(config.optimizer, 10, model_config=config.model)
+    config.optimizer.layer_decay = 1.5
+    with pytest.raises(ConfigError, match=r"layer_decay=1.5; use a value in \(0, 1\]"):
+        optim.create_optimizer(config.optimizer, 10, model_config=config.model)
+    config.optimizer.layer_decay = 1.0
+    config.optimizer.lr_multipliers = (("head/.*", -1.0),)
+    with pytest.raises(ConfigError, match="'head/.\\*' has multiplier -1.0"):
+        optim.create_optimizer(config.optimizer, 10, model_config=config.model)
