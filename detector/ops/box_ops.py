@@ -192,3 +192,9 @@ def yxyx_to_xywh(boxes_yxyx):
 def xywh_to_yxyx(boxes_xywh):
     """COCO ``(x, y, width, height)`` -> ``(y0, x0, y1, x1)``, ``[..., 4]``."""
     return box_geometry.xywh_to_yxyx(boxes_xywh, xp=jnp)
+
+
+def cxcywh_to_yxyx(boxes_cxcywh):
+    """DETR's ``(cx, cy, w, h)`` -> ``(y0, x0, y1, x1)`` in the same units, float ``[..., 4]``."""
+    cx, cy, w, h = (boxes_cxcywh[..., i] for i in range(4))
+    return jnp.stack([cy - h / 2, cx - w / 2, cy + h / 2, cx + w / 2], axis=-1)

@@ -181,3 +181,68 @@ def retinanet_loss(
         "box_loss": weighted_box_loss,
         "num_positives": num_positives,
     }
+
+
+def set_prediction_loss(
+    pred_logits,
+    pred_boxes_cxcywh,
+    gt_labels,
+    gt_boxes_cxcywh,
+    query_to_gt,
+    *,
+    num_boxes,
+    query_mask=None,
+    focal_alpha: float = 0.25,
+    focal_gamma: float = 2.0,
+    class_weight: float = 1.0,
+    l1_weight: float = 5.0,
+    giou_weight: float = 2.0,
+):
+    """DETR-family loss of one set of predictions given its assignment: focal class, L1 and GIoU box terms.
+
+    What DINO computes for each decoder layer, the encoder proposals and the
+    denoising groups: every query's sigmoid focal loss against the one-hot
+    label of the ground truth it is assigned to (all zeros when unassigned:
+    "no object"), plus L1 and 1 - GIoU between assigned pairs. Each term is a
+    sum divided by `num_boxes`, the number of ground-truth boxes in the whole
+    global batch, as Deformable DETR and DINO normalise.
+
+    Args:
+        pred_logits: float ``[B, N, C]`` class logits of N queries.
+        pred_boxes_cxcywh: float ``[B, N, 4]`` boxes, (cx, cy, w, h) normalised to [0, 1].
+        gt_labels: int32 ``[B, M]`` contiguous labels of the (padded) ground truth.
+        gt_boxes_cxcywh: float ``[B, M, 4]`` normalised like the predictions.
+        query_to_gt: int32 ``[B, N]`` the ground-truth slot each query is assigned to, -1 for none.
+        num_boxes: scalar, the normaliser (at least 1 is used).
+        query_mask: optional bool ``[B, N]``; False removes a query from every term (invalid denoising copies).
+        focal_alpha, focal_gamma: see `sigmoid_focal_loss`.
+        class_weight, l1_weight, giou_weight: DINO's 1, 5 and 2 by default.
+
+    Returns:
+        ``(total, terms)``: total = the weighted sum; terms ``cls_loss``, ``l1_loss``,
+        ``giou_loss`` (weighted) as float32 scalars.
+    """
+    pred_logits = jnp.asarray(pred_logits, jnp.float32)
+    pred_boxes = jnp.asarray(pred_boxes_cxcywh, jnp.float32)
+    num_classes = pred_logits.shape[-1]
+    keep = jnp.ones(query_to_gt.shape, jnp.float32) if query_mask is None else jnp.asarray(query_mask, jnp.float32)
+    assigned = (query_to_gt >= 0).astype(jnp.float32) * keep
+    index = jnp.maximum(query_to_gt, 0)
+    labels = jnp.take_along_axis(jnp.asarray(gt_labels, jnp.int32), index, axis=1)
+    targets = jax.nn.one_hot(labels, num_classes, dtype=jnp.float32) * assigned[..., None]
+    boxes = jnp.take_along_axis(jnp.asarray(gt_boxes_cxcywh, jnp.float32), index[..., None], axis=1)
+    normalizer = jnp.maximum(jnp.asarray(num_boxes, jnp.float32), 1.0)
+
+    focal = sigmoid_focal_loss(pred_logits, targets, focal_alpha, focal_gamma)
+    cls_loss = jnp.sum(focal * keep[..., None]) / normalizer
+    l1 = jnp.sum(jnp.abs(pred_boxes - boxes), axis=-1)
+    giou = 1.0 - box_ops.generalized_iou(box_ops.cxcywh_to_yxyx(pred_boxes), box_ops.cxcywh_to_yxyx(boxes))
+    # where, not a product: unassigned queries' boxes may be anything (0 * nan = nan).
+    l1_loss = jnp.sum(jnp.where(assigned > 0, l1, 0.0)) / normalizer
+    giou_loss = jnp.sum(jnp.where(assigned > 0, giou, 0.0)) / normalizer
+    terms = {
+        "cls_loss": class_weight * cls_loss,
+        "l1_loss": l1_weight * l1_loss,
+        "giou_loss": giou_weight * giou_loss,
+    }
+    return terms["cls_loss"] + terms["l1_loss"] + terms["giou_loss"], terms

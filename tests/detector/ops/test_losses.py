@@ -201,3 +201,73 @@ def test_no_positives_is_finite():
     total, terms = loss_fn(logits, deltas, ANCHORS, GT_BOXES, GT_LABELS, jnp.zeros((2, 3), bool))
     assert float(terms["num_positives"]) == 0.0 and float(terms["box_loss"]) == 0.0
     assert np.isfinite(float(total)) and float(total) > 0
+
+
+def _numpy_set_loss(logits, boxes, gt_labels, gt_boxes, query_to_gt, num_boxes, mask, alpha=0.25, gamma=2.0):
+    """DINO's set loss written out per query in numpy (float64)."""
+    logits, boxes, gt_boxes = (np.asarray(a, np.float64) for a in (logits, boxes, gt_boxes))
+    cls = l1 = giou = 0.0
+    for b in range(logits.shape[0]):
+        for n in range(logits.shape[1]):
+            if not mask[b, n]:
+                continue
+            g = query_to_gt[b, n]
+            target = np.zeros(logits.shape[-1])
+            if g >= 0:
+                target[gt_labels[b, g]] = 1.0
+            p = 1 / (1 + np.exp(-logits[b, n]))
+            ce = -(target * np.log(p) + (1 - target) * np.log(1 - p))
+            p_t = p * target + (1 - p) * (1 - target)
+            cls += np.sum((alpha * target + (1 - alpha) * (1 - target)) * (1 - p_t) ** gamma * ce)
+            if g >= 0:
+                l1 += np.abs(boxes[b, n] - gt_boxes[b, g]).sum()
+
+                def corners(box):
+                    cx, cy, w, h = box
+                    return cx - w / 2, cy - h / 2, cx + w / 2, cy + h / 2
+
+                ax0, ay0, ax1, ay1 = corners(boxes[b, n])
+                bx0, by0, bx1, by1 = corners(gt_boxes[b, g])
+                inter = max(0, min(ax1, bx1) - max(ax0, bx0)) * max(0, min(ay1, by1) - max(ay0, by0))
+                union = (ax1 - ax0) * (ay1 - ay0) + (bx1 - bx0) * (by1 - by0) - inter
+                hull = (max(ax1, bx1) - min(ax0, bx0)) * (max(ay1, by1) - min(ay0, by0))
+                giou += 1 - (inter / union - (hull - union) / hull)
+    n = max(num_boxes, 1)
+    return cls / n, 5 * l1 / n, 2 * giou / n
+
+
+def test_set_prediction_loss_matches_a_per_query_reference():
+    rng = np.random.default_rng(0)
+    b, n, m, c = 2, 6, 3, 4
+    logits = rng.normal(size=(b, n, c)).astype(np.float32)
+    boxes = np.concatenate([rng.uniform(0.2, 0.8, (b, n, 2)), rng.uniform(0.05, 0.4, (b, n, 2))], -1)
+    gt_boxes = np.concatenate([rng.uniform(0.2, 0.8, (b, m, 2)), rng.uniform(0.05, 0.4, (b, m, 2))], -1)
+    gt_labels = rng.integers(0, c, (b, m)).astype(np.int32)
+    query_to_gt = np.array([[2, -1, 0, -1, 1, -1], [-1, -1, 0, -1, -1, -1]], np.int32)
+    mask = np.ones((b, n), bool)
+    mask[1, 5] = False  # e.g. an invalid denoising copy
+    boxes[1, 5] = np.nan  # ... whose box must not reach the loss
+    total, terms = losses.set_prediction_loss(
+        logits,
+        boxes.astype(np.float32),
+        gt_labels,
+        gt_boxes.astype(np.float32),
+        query_to_gt,
+        num_boxes=4,
+        query_mask=mask,
+    )
+    expected = _numpy_set_loss(logits, boxes, gt_labels, gt_boxes, query_to_gt, 4, mask)
+    for key, value in zip(("cls_loss", "l1_loss", "giou_loss"), expected):
+        np.testing.assert_allclose(terms[key], value, rtol=1e-5, err_msg=key)
+    np.testing.assert_allclose(total, sum(expected), rtol=1e-5)
+
+
+def test_set_prediction_loss_of_exact_boxes_is_classification_only():
+    gt_boxes = np.array([[[0.5, 0.5, 0.2, 0.3], [0.3, 0.6, 0.1, 0.1]]], np.float32)
+    pred = np.concatenate([gt_boxes, np.full((1, 2, 4), 0.5, np.float32)], axis=1)  # 2 exact, 2 unassigned
+    _, terms = losses.set_prediction_loss(
+        np.zeros((1, 4, 3), np.float32), pred, np.array([[1, 2]]), gt_boxes, np.array([[0, 1, -1, -1]]), num_boxes=2
+    )
+    assert float(terms["l1_loss"]) == 0.0
+    assert float(terms["giou_loss"]) == pytest.approx(0.0, abs=1e-6)
+    assert float(terms["cls_loss"]) > 0
