@@ -106,7 +106,7 @@ def read_state_dict(path: str | os.PathLike) -> dict[str, np.ndarray]:
     code runs). Floating-point torch tensors come back as float32. A
     `module.` prefix on every name (DistributedDataParallel) is dropped.
     Raises FileNotFoundError for a missing file and WeightsFileError for an
-    unknown suffix or a missing reader package.
+    unknown suffix, a missing reader package or a damaged (e.g. truncated) file.
     """
     path = os.fspath(path)
     suffix = os.path.splitext(path)[1].lower()
@@ -116,10 +116,25 @@ def read_state_dict(path: str | os.PathLike) -> dict[str, np.ndarray]:
         )
     if not os.path.isfile(path):
         raise FileNotFoundError(f"pretrained weights file not found: {path}")
+    try:
+        tensors = _read_tensors(path, suffix)
+    except WeightsFileError:
+        raise
+    except Exception as e:  # each reader has its own error types for a damaged file
+        cause = " ".join(str(e).split()) or type(e).__name__
+        raise WeightsFileError(
+            f"{path}: cannot read it as {suffix} ({cause}); the file is damaged or truncated, copy or convert it again"
+        ) from e
+    if tensors and all(name.startswith("module.") for name in tensors):
+        tensors = {name[len("module.") :]: value for name, value in tensors.items()}
+    return tensors
+
+
+def _read_tensors(path: str, suffix: str) -> dict[str, np.ndarray]:
     if suffix == ".npz":
         with np.load(path, allow_pickle=False) as npz:
-            tensors = {name: npz[name] for name in npz.files}
-    elif suffix == ".safetensors":
+            return {name: npz[name] for name in npz.files}
+    if suffix == ".safetensors":
         try:
             from safetensors.numpy import load_file
         except ImportError:
@@ -127,12 +142,8 @@ def read_state_dict(path: str | os.PathLike) -> dict[str, np.ndarray]:
                 f"{path}: reading .safetensors needs the safetensors package "
                 "(pip install safetensors, or pip install '.[pretrained]')"
             ) from None
-        tensors = load_file(path)
-    else:
-        tensors = _torch_tensors_as_numpy(path)
-    if tensors and all(name.startswith("module.") for name in tensors):
-        tensors = {name[len("module.") :]: value for name, value in tensors.items()}
-    return tensors
+        return load_file(path)
+    return _torch_tensors_as_numpy(path)
 
 
 def is_ignored_torchvision_key(name: str) -> bool:

@@ -153,12 +153,6 @@ def hungarian_assignment(cost, valid_columns=None):
     return query_for_gt, gt_for_query
 
 
-def cxcywh_to_yxyx(boxes_cxcywh):
-    """``(cx, cy, w, h)`` -> ``(y0, x0, y1, x1)``, float ``[..., 4]`` in the same units."""
-    cx, cy, w, h = (boxes_cxcywh[..., k] for k in range(4))
-    return jnp.stack([cy - 0.5 * h, cx - 0.5 * w, cy + 0.5 * h, cx + 0.5 * w], axis=-1)
-
-
 def dino_matching_cost(
     pred_logits,
     pred_boxes_cxcywh,
@@ -207,7 +201,9 @@ def dino_matching_cost(
 
     l1_cost = jnp.sum(jnp.abs(pred_boxes[:, None, :] - gt_boxes[None, :, :]), axis=-1)
     # GIoU is scale-invariant, so normalised coordinates are as good as pixels.
-    giou = box_ops.generalized_iou(cxcywh_to_yxyx(pred_boxes)[:, None, :], cxcywh_to_yxyx(gt_boxes)[None, :, :])
+    giou = box_ops.generalized_iou(
+        box_ops.cxcywh_to_yxyx(pred_boxes)[:, None, :], box_ops.cxcywh_to_yxyx(gt_boxes)[None, :, :]
+    )
     return class_weight * class_cost + l1_weight * l1_cost - giou_weight * giou
 
 

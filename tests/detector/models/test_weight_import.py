@@ -511,3 +511,31 @@ def test_frozen_stages_get_no_backward_pass():
     # The whole (tiny) ResNet is frozen: its backward pass, ~7% of this
     # head-heavy step, is gone; computed and then discarded it would not be.
     assert frozen_flops < 0.95 * all_flops
+
+
+@pytest.mark.parametrize("suffix", [".npz", ".safetensors"])
+def test_a_truncated_weights_file_is_one_error_line(tmp_path, suffix):
+    state = {name: value.astype(np.float32) for name, value in torchvision_state_dict((1, 1, 1, 1)).items()}
+    path = tmp_path / f"resnet{suffix}"
+    if suffix == ".npz":
+        np.savez(path, **state)
+    else:
+        from safetensors.numpy import save_file
+
+        save_file(state, str(path))
+    data = path.read_bytes()
+    path.write_bytes(data[: len(data) // 2])  # what an interrupted copy leaves
+    with pytest.raises(WeightsFileError, match="damaged or truncated"):
+        weight_import.read_state_dict(path)
+    result = subprocess.run(
+        [sys.executable, "-m", "detector.convert_pretrained", f"--input={path}", f"--output={tmp_path / 'out.npz'}"],
+        cwd=REPO_ROOT,
+        env={**os.environ, "JAX_PLATFORMS": "cpu"},
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert result.returncode == 1
+    lines = result.stderr.strip().splitlines()
+    assert lines[-1].startswith(f"error: {path}: cannot read it as {suffix}") and "Traceback" not in result.stderr
+    assert not (tmp_path / "out.npz").exists()

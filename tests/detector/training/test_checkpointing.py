@@ -1,3 +1,4 @@
+import jax
 import jax.numpy as jnp
 import numpy as np
 
@@ -92,3 +93,20 @@ def test_the_ema_is_checkpointed_only_when_kept_and_follows_a_config_change(tmp_
     checkpointing.save(manager, 2, restored, {"step": 2})
     manager.wait_until_finished()
     manager.close()
+
+
+def test_reading_the_ema_of_a_run_that_kept_none_is_one_clear_error(tmp_path):
+    import pytest
+
+    manager = checkpointing.create_manager(str(tmp_path), max_to_keep=2)
+    checkpointing.save(manager, 3, make_state(1.0, 3), {"step": 3})
+    manager.wait_until_finished()
+    manager.close()
+    abstract = {
+        "w": jax.ShapeDtypeStruct((2, 3), jnp.float32, sharding=jax.sharding.SingleDeviceSharding(jax.devices()[0]))
+    }
+    params, step = checkpointing.restore_params(str(tmp_path), "last", abstract)
+    assert step == 3
+    np.testing.assert_array_equal(params["w"], np.full((2, 3), 1.0))
+    with pytest.raises(FileNotFoundError, match="step 3 .* holds no EMA of the parameters .* pass --raw_params"):
+        checkpointing.restore_params(str(tmp_path), "last", abstract, ema=True)
