@@ -115,6 +115,45 @@ def vit_backbone(
     )
 
 
+def dino_model(
+    *,
+    hidden_dim: int = 256,
+    num_heads: int = 8,
+    ffn_dim: int = 2048,
+    encoder_layers: int = 6,
+    decoder_layers: int = 6,
+    num_queries: int = 900,
+    denoising_groups: int = 2,
+) -> ml_collections.ConfigDict:
+    """`config.model.dino`: the DINO-4scale transformer (Zhang et al. 2022), read when `model.name == "dino"`.
+
+    The defaults are the paper's: 256 wide, 8 heads, FFN 2048, 6 encoder and
+    6 decoder layers, 4 pyramid levels (strides 8-64) with 4 sampling points
+    per head and level, 900 queries. Denoising: `denoising_groups` groups of
+    a positive and a negative noised copy of each of the `input.max_boxes`
+    ground-truth slots (static shapes; DINO's 100 denoising queries over a
+    batch's most crowded image is 1 group at 100 boxes, 5 at 20), labels
+    flipped with probability label_noise_ratio / 2, box corners moved by up
+    to box_noise_scale half sizes (negatives by 1-2x that). 0 groups: off.
+    """
+    return ml_collections.ConfigDict(
+        dict(
+            hidden_dim=hidden_dim,
+            num_heads=num_heads,
+            ffn_dim=ffn_dim,
+            encoder_layers=encoder_layers,
+            decoder_layers=decoder_layers,
+            num_points=4,
+            min_level=3,
+            max_level=6,
+            num_queries=num_queries,
+            denoising_groups=denoising_groups,
+            label_noise_ratio=0.5,
+            box_noise_scale=1.0,
+        )
+    )
+
+
 def base_config() -> ml_collections.ConfigDict:
     """Every key the library reads, at its default: a tiny RetinaNet on the embedded synthetic shapes."""
     config = ml_collections.ConfigDict()
@@ -170,6 +209,9 @@ def base_config() -> ml_collections.ConfigDict:
     config.input.num_threads = ml_collections.FieldReference(None, field_type=int)
 
     config.model = ml_collections.ConfigDict()
+    # The detector family: "retinanet" (dense anchors + NMS; the keys below up
+    # to `anchors`) or "dino" (queries + set losses; `model.dino`).
+    config.model.name = "retinanet"
     config.model.dtype = "float32"  # compute dtype: "bfloat16" for mixed precision (params stay float32)
     config.model.remat = "none"  # per-block rematerialisation: "none", "full" or "dots"
     config.model.backbone = resnet_backbone((1, 1, 1, 1), 16, "basic")
@@ -184,6 +226,8 @@ def base_config() -> ml_collections.ConfigDict:
         dict(min_level=3, max_level=5, num_scales=3, aspect_ratios=(0.5, 1.0, 2.0), anchor_size=2.0)
     )
 
+    config.model.dino = dino_model()
+
     config.loss = ml_collections.ConfigDict()
     config.loss.positive_iou = 0.5
     config.loss.negative_iou = 0.4
@@ -194,6 +238,19 @@ def base_config() -> ml_collections.ConfigDict:
     config.loss.huber_delta = 0.1
     config.loss.box_loss_weight = 1.0
     config.loss.box_coder_weights = (1.0, 1.0, 1.0, 1.0)
+    # DINO's set losses (focal_alpha/gamma above are shared): the weights of
+    # the focal, L1 and GIoU terms on matched queries, and of the same three
+    # in the Hungarian matching cost.
+    config.loss.set_prediction = ml_collections.ConfigDict(
+        dict(
+            class_weight=1.0,
+            l1_weight=5.0,
+            giou_weight=2.0,
+            match_class_weight=2.0,
+            match_l1_weight=5.0,
+            match_giou_weight=2.0,
+        )
+    )
 
     config.postprocess = ml_collections.ConfigDict(
         dict(pre_nms_top_k=1000, score_threshold=0.05, iou_threshold=0.5, max_detections=100)

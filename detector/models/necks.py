@@ -141,3 +141,52 @@ class SimpleFeaturePyramid(PyramidNeck):
             y = group_norm(self.features, num_groups=1, dtype=self.dtype, name=f"p{level}_output_norm")(y)
             pyramid[level] = constrain_activation(y)
         return add_extra_levels(pyramid, self.features, self.max_level, self.dtype)
+
+
+class ChannelMapper(PyramidNeck):
+    """DINO's input projection: backbone levels C{min_level}.. mapped to `features` channels, plus stride-2 levels.
+
+    Each backbone level gets a 1x1 convolution and GroupNorm(32); each level
+    above the backbone's top a 3x3 stride-2 convolution and GroupNorm, the
+    first on the top backbone map itself, the next on the level below (the
+    Deformable DETR / DINO `input_proj`). No top-down fusion: the deformable
+    encoder mixes the levels.
+
+    Returns:
+      dict {level: [B, ceil(H/2**level), ceil(W/2**level), features]}.
+    """
+
+    @nn.compact
+    def __call__(self, backbone_features: dict[int, jax.Array]) -> dict[int, jax.Array]:
+        top_backbone_level = max(backbone_features)
+        if self.min_level not in backbone_features:
+            raise ConfigError(
+                f"model.dino.min_level={self.min_level}; the backbone gives levels "
+                f"{min(backbone_features)}..{top_backbone_level}"
+            )
+        pyramid = {}
+        x = None
+        for level in range(self.min_level, self.max_level + 1):
+            if level <= top_backbone_level:
+                x = backbone_features[level]
+                y = conv(
+                    self.features,
+                    1,
+                    dtype=self.dtype,
+                    kernel_init=nn.initializers.xavier_uniform(),
+                    name=f"input{level}",
+                )(x)
+            else:
+                y = conv(
+                    self.features,
+                    3,
+                    2,
+                    dtype=self.dtype,
+                    kernel_init=nn.initializers.xavier_uniform(),
+                    name=f"input{level}",
+                )(x)
+            y = group_norm(self.features, num_groups=32, dtype=self.dtype, name=f"input{level}_norm")(y)
+            pyramid[level] = constrain_activation(y)
+            if level > top_backbone_level:
+                x = y
+        return pyramid

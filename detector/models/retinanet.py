@@ -123,22 +123,19 @@ DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
 BACKBONES = ("resnet", "vit")
 
 
-def create_model(model_config, num_classes: int, num_anchors: int) -> RetinaNet:
-    """Builds the detector from `config.model`.
-
-    `model.backbone.name` picks the trunk: 'resnet' (with an FPN neck) or 'vit'
-    (with ViTDet's simple feature pyramid); a ResNet's `model.backbone.norm`
-    picks its normalisation ('group' or 'frozen_bn'). `model.dtype` is the compute dtype;
-    parameters, optimizer state and losses stay float32.
-    """
+def compute_dtype(model_config) -> Any:
+    """`model.dtype` as a jnp dtype: the compute dtype (parameters, optimizer state and losses stay float32)."""
     if model_config.dtype not in DTYPES:
         raise ConfigError(f"model.dtype={model_config.dtype!r}; use one of {', '.join(DTYPES)}")
-    dtype = DTYPES[model_config.dtype]
+    return DTYPES[model_config.dtype]
+
+
+def create_backbone(model_config, dtype: Any) -> nn.Module:
+    """The trunk `model.backbone.name` picks: 'resnet' (C2..C5) or 'vit' (one stride-16 map)."""
     backbone_config = model_config.backbone
     name = backbone_config.name
-    levels = dict(min_level=model_config.anchors.min_level, max_level=model_config.anchors.max_level)
     if name == "resnet":
-        backbone = ResNet(
+        return ResNet(
             tuple(backbone_config.stage_sizes),
             backbone_config.width,
             backbone_config.block,
@@ -146,9 +143,8 @@ def create_model(model_config, num_classes: int, num_anchors: int) -> RetinaNet:
             dtype,
             norm=backbone_config.norm,
         )
-        neck = FPN(model_config.fpn_features, **levels, dtype=dtype)
-    elif name == "vit":
-        backbone = ViT(
+    if name == "vit":
+        return ViT(
             patch_size=backbone_config.patch_size,
             embed_dim=backbone_config.embed_dim,
             depth=backbone_config.depth,
@@ -161,9 +157,24 @@ def create_model(model_config, num_classes: int, num_anchors: int) -> RetinaNet:
             scan=backbone_config.scan,
             dtype=dtype,
         )
-        neck = SimpleFeaturePyramid(model_config.fpn_features, **levels, dtype=dtype)
+    raise ConfigError(f"model.backbone.name={name!r}; use one of {', '.join(BACKBONES)}")
+
+
+def create_model(model_config, num_classes: int, num_anchors: int) -> RetinaNet:
+    """Builds the RetinaNet from `config.model`.
+
+    `model.backbone.name` picks the trunk: 'resnet' (with an FPN neck) or 'vit'
+    (with ViTDet's simple feature pyramid); a ResNet's `model.backbone.norm`
+    picks its normalisation ('group' or 'frozen_bn'). `model.dtype` is the compute dtype;
+    parameters, optimizer state and losses stay float32.
+    """
+    dtype = compute_dtype(model_config)
+    backbone = create_backbone(model_config, dtype)
+    levels = dict(min_level=model_config.anchors.min_level, max_level=model_config.anchors.max_level)
+    if model_config.backbone.name == "resnet":
+        neck = FPN(model_config.fpn_features, **levels, dtype=dtype)
     else:
-        raise ConfigError(f"model.backbone.name={name!r}; use one of {', '.join(BACKBONES)}")
+        neck = SimpleFeaturePyramid(model_config.fpn_features, **levels, dtype=dtype)
     head = RetinaNetHead(
         num_classes,
         num_anchors,

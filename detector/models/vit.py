@@ -33,9 +33,10 @@ HEAD_AXES = ("batch", "tokens", "act_heads", "kv")
 MLP_AXES = ("batch", "tokens", "act_mlp")
 
 
-def _layer_norm(dtype: Any, name: str) -> nn.LayerNorm:
+def layer_norm(dtype: Any, name: str, epsilon: float = 1e-6) -> nn.LayerNorm:
+    """LayerNorm over the last axis with float32 parameters named ('norm',)."""
     return nn.LayerNorm(
-        epsilon=1e-6,
+        epsilon=epsilon,
         dtype=dtype,
         param_dtype=jnp.float32,
         scale_init=nn.with_logical_partitioning(nn.initializers.ones, ("norm",)),
@@ -74,19 +75,22 @@ class Projection(nn.Module):
     bias_axes: tuple[str | None, ...]
     contract: int = 1
     dtype: Any = jnp.float32
+    kernel_init: Any = None  # None: Glorot-uniform over the whole fan-in and fan-out, as for a 2-D kernel
+    bias_init: Any = nn.initializers.zeros
 
     @nn.compact
     def __call__(self, x: jax.Array) -> jax.Array:
         in_shape = x.shape[x.ndim - self.contract :]
         in_dims = tuple(range(self.contract))
         out_dims = tuple(range(self.contract, self.contract + len(self.features)))
-        # Glorot-uniform over the whole fan-in and fan-out, as for a 2-D kernel.
-        init = nn.initializers.variance_scaling(1.0, "fan_avg", "uniform", in_axis=in_dims, out_axis=out_dims)
+        init = self.kernel_init or nn.initializers.variance_scaling(
+            1.0, "fan_avg", "uniform", in_axis=in_dims, out_axis=out_dims
+        )
         kernel = self.param(
             "kernel", nn.with_logical_partitioning(init, self.kernel_axes), (*in_shape, *self.features), jnp.float32
         )
         bias = self.param(
-            "bias", nn.with_logical_partitioning(nn.initializers.zeros, self.bias_axes), self.features, jnp.float32
+            "bias", nn.with_logical_partitioning(self.bias_init, self.bias_axes), self.features, jnp.float32
         )
         x_dims = tuple(range(x.ndim - self.contract, x.ndim))
         y = jax.lax.dot_general(x.astype(self.dtype), kernel.astype(self.dtype), ((x_dims, in_dims), ((), ())))
@@ -169,9 +173,9 @@ class Block(nn.Module):
         # Pin the incoming residual stream too: inside a scan it is the loop
         # carry, whose sharding XLA would otherwise infer from its first use.
         x = nn.with_logical_constraint(x, TOKEN_GRID_AXES)
-        y = Attention(self.num_heads, self.window_size, self.dtype, name="attn")(_layer_norm(self.dtype, "norm1")(x))
+        y = Attention(self.num_heads, self.window_size, self.dtype, name="attn")(layer_norm(self.dtype, "norm1")(x))
         x = nn.with_logical_constraint(x + y, TOKEN_GRID_AXES)
-        y = Mlp(self.mlp_hidden, self.dtype, name="mlp")(_layer_norm(self.dtype, "norm2")(x))
+        y = Mlp(self.mlp_hidden, self.dtype, name="mlp")(layer_norm(self.dtype, "norm2")(x))
         return nn.with_logical_constraint(x + y, TOKEN_GRID_AXES), None
 
 
@@ -291,4 +295,4 @@ class ViT(nn.Module):
         else:
             for i in range(num_stages):
                 x, _ = Stage(**stage_kwargs, name=f"stage{i}")(x, None)
-        return {4: _layer_norm(self.dtype, "norm")(x)}
+        return {4: layer_norm(self.dtype, "norm")(x)}

@@ -154,3 +154,41 @@ def detect(
         )
 
     return jax.vmap(one)(cls_logits, box_deltas, height, width)
+
+
+def detect_from_queries(
+    logits,
+    boxes_cxcywh,
+    image_height: int,
+    image_width: int,
+    *,
+    max_detections: int,
+    score_threshold: float = 0.0,
+) -> dict[str, jax.Array]:
+    """Detections of a set predictor (DETR family): the top scores over queries x classes, no NMS.
+
+    Each query may give several detections (one per class), as DINO and
+    Deformable DETR evaluate: the `max_detections` highest sigmoid scores
+    of all `N * C` (query, class) pairs.
+
+    Args:
+        logits: float ``[B, N, C]`` per-class sigmoid logits of N queries.
+        boxes_cxcywh: float ``[B, N, 4]`` boxes, (cx, cy, w, h) normalised to the network input.
+        image_height, image_width: the network input in pixels.
+        max_detections: D, static; at most N * C.
+        score_threshold: detections scoring at or below it are marked invalid.
+
+    Returns:
+        dict: boxes float32 ``[B, D, 4]`` yxyx in network-input pixels clipped
+        to the image, scores float32 ``[B, D]`` descending, classes int32
+        ``[B, D]``, valid bool ``[B, D]``.
+    """
+    logits = jnp.asarray(logits, jnp.float32)
+    batch, num_queries, num_classes = logits.shape
+    scores, flat_index = jax.lax.top_k(jax.nn.sigmoid(logits).reshape(batch, num_queries * num_classes), max_detections)
+    query = flat_index // num_classes
+    classes = (flat_index % num_classes).astype(jnp.int32)
+    boxes = jnp.take_along_axis(box_ops.cxcywh_to_yxyx(jnp.asarray(boxes_cxcywh, jnp.float32)), query[..., None], 1)
+    size = jnp.asarray([image_height, image_width, image_height, image_width], jnp.float32)
+    boxes = jnp.clip(boxes * size, 0.0, size)
+    return {"boxes": boxes, "scores": scores, "classes": classes, "valid": scores > score_threshold}

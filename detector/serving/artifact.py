@@ -18,7 +18,6 @@ only JAX: `jax.export.deserialize(bytes).call(images)`.
 from __future__ import annotations
 
 import dataclasses
-import functools
 import json
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -31,8 +30,8 @@ from etils import epath
 from jax.experimental import multihost_utils
 
 from detector.errors import ConfigError
+from detector.models import families
 from detector.serving.predictor import Predictor, network_input
-from detector.training import steps
 from input_pipeline import transforms
 
 EXPORTED_FILE = "model.jax_exported"
@@ -62,27 +61,10 @@ def detection_function(predictor: Predictor) -> Callable[[jax.Array], dict[str, 
     """
     config = predictor.config
     params = _host_params(predictor.params)
-    predict = functools.partial(
-        steps.predict_step,
-        model=predictor.model,
-        anchors=steps.anchors_for_config(config),
-        postprocess_config=config.postprocess,
-        image_size=tuple(config.input.image_size),
-        box_coder_weights=tuple(config.loss.box_coder_weights),
-    )
+    family_detect = families.objective(config, predictor.model, predictor.dataset_info.num_classes).detect
 
     def detect(images: jax.Array) -> dict[str, jax.Array]:
-        rows = images.shape[0]
-        # predict_step passes these fields through for mapping boxes back; the
-        # artifact's user maps them instead, so placeholders do (and are pruned).
-        batch = {
-            "image": images,
-            "image_id": jnp.zeros((rows,), jnp.int32),
-            "scale": jnp.ones((rows,), jnp.float32),
-            "original_size": jnp.zeros((rows, 2), jnp.int32),
-            "example_mask": jnp.ones((rows,), jnp.bool_),
-        }
-        outputs = predict(params, batch)
+        outputs = family_detect(params, images)
         return {name: outputs[name] for name in OUTPUT_NAMES}
 
     return detect

@@ -27,7 +27,7 @@ from PIL import Image, ImageOps, UnidentifiedImageError
 import input_pipeline
 import sharding
 from detector.errors import ConfigError
-from detector.models.retinanet import create_model
+from detector.models import families
 from detector.serving import coco_evaluation, drawing
 from detector.training import checkpointing, steps
 from detector.training.train_state import params_shardings
@@ -101,13 +101,19 @@ def load_predictor(
     rules = sharding.logical_rules(config.sharding)
     sharding.check_global_batch(batch_size, mesh)
     dataset_info = input_pipeline.get_dataset_info(config)
-    model = create_model(config.model, dataset_info.num_classes, steps.num_anchors_per_location(config))
+    model = families.create_model(config, dataset_info.num_classes)
     with sharding.use_mesh(mesh, rules):
         abstract_params, shardings = params_shardings(model, tuple(config.input.image_size), mesh, rules)
         params, step = checkpointing.restore_params(workdir, checkpoint, abstract_params, ema=use_ema)
         start = time.perf_counter()
         predict = steps.compile_predict_step(
-            config, model, abstract_params=abstract_params, param_shardings=shardings, mesh=mesh, batch_size=batch_size
+            config,
+            model,
+            num_classes=dataset_info.num_classes,
+            abstract_params=abstract_params,
+            param_shardings=shardings,
+            mesh=mesh,
+            batch_size=batch_size,
         )
     logging.info(
         "loaded the %sparameters of step %d (%s) from %s; compiled predict for batches of %d in %.1fs",

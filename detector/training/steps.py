@@ -1,7 +1,8 @@
 """The jitted train and predict steps as pure functions of (state, batch).
 
-Both are plain functions closed over config-time constants (model, optimizer,
-anchors); the trainer compiles them ahead of time with explicit shardings.
+Both are plain functions closed over config-time constants (the family's
+objective, the optimizer); the trainer compiles them ahead of time with
+explicit shardings.
 """
 
 from __future__ import annotations
@@ -15,69 +16,15 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import ml_collections
-import numpy as np
 import optax
 from jax.sharding import NamedSharding, PartitionSpec
 
 import sharding
 from detector.errors import ConfigError
-from detector.ops import anchors as anchors_lib
-from detector.ops import losses, postprocess
+from detector.models import families
 from detector.training import optim
 from detector.training.train_state import TrainState, state_shardings
 from input_pipeline import batch as batch_layout
-
-
-def anchors_for_config(config) -> np.ndarray:
-    """`[A, 4]` yxyx anchors in network-input pixels for `config.input.image_size`."""
-    a = config.model.anchors
-    height, width = config.input.image_size
-    return anchors_lib.generate_anchors(
-        height, width, a.min_level, a.max_level, a.num_scales, tuple(a.aspect_ratios), a.anchor_size
-    )
-
-
-def num_anchors_per_location(config) -> int:
-    a = config.model.anchors
-    return anchors_lib.num_anchors_per_location(a.num_scales, tuple(a.aspect_ratios))
-
-
-def loss_fn(
-    params,
-    batch: dict[str, jax.Array],
-    *,
-    model: nn.Module,
-    anchors: np.ndarray,
-    loss_config,
-    num_classes: int,
-    normalizer: jax.Array | float | None = None,
-) -> tuple[jax.Array, dict[str, jax.Array]]:
-    """Detection loss of a batch; returns (loss, terms).
-
-    Normalised by the batch's positive anchors, or divided by `normalizer`
-    when given (1: sums, for gradient accumulation).
-    """
-    cls_logits, box_deltas = model.apply({"params": params}, batch["image"])
-    return losses.retinanet_loss(
-        cls_logits,
-        box_deltas,
-        jnp.asarray(anchors),
-        batch["boxes"],
-        batch["labels"],
-        batch["boxes_mask"],
-        num_classes=num_classes,
-        positive_iou=loss_config.positive_iou,
-        negative_iou=loss_config.negative_iou,
-        allow_low_quality_matches=loss_config.allow_low_quality_matches,
-        focal_alpha=loss_config.focal_alpha,
-        focal_gamma=loss_config.focal_gamma,
-        box_loss=loss_config.box_loss,
-        huber_delta=loss_config.huber_delta,
-        box_loss_weight=loss_config.box_loss_weight,
-        box_coder_weights=tuple(loss_config.box_coder_weights),
-        example_mask=batch["example_mask"],
-        normalizer=normalizer,
-    )
 
 
 def split_micro_batches(batch: dict[str, jax.Array], count: int, micro_batch_sharding=None) -> dict[str, jax.Array]:
@@ -114,12 +61,10 @@ def train_step(
     state: TrainState,
     batch: dict[str, jax.Array],
     *,
-    model: nn.Module,
+    loss: Callable[..., tuple[jax.Array, dict[str, jax.Array]]],
     tx: optax.GradientTransformation,
     schedule: optax.Schedule,
-    anchors: np.ndarray,
-    loss_config,
-    num_classes: int,
+    seed: int = 0,
     frozen: Callable[[Any], Any] | None = None,
     accumulate_steps: int = 1,
     micro_batch_sharding: Any = None,
@@ -127,6 +72,10 @@ def train_step(
     ema_warmup: bool = True,
 ) -> tuple[TrainState, dict[str, jax.Array]]:
     """One optimizer step on a global batch. Returns (new_state, scalar metrics).
+
+    `loss` is the family's (`families.Objective.loss`); its random draws
+    (DINO's denoising noise) come from `seed` and the step number, so a
+    resumed or re-sharded run draws the same ones.
 
     `frozen` (`optim.frozen_parameters`: params -> tree of bools) names the
     parameters that never train; their gradients are not computed at all.
@@ -139,45 +88,39 @@ def train_step(
     and EMA are returned unchanged and metrics['nonfinite'] is 1.
     """
 
-    def loss_of_trainable(params, batch, normalizer=None):
+    def loss_of_trainable(params, batch, rng, normalizer=None):
         if frozen is not None:
             # The optimizer ignores these gradients anyway; stopping them here
             # also drops their backward pass (kernel gradients, and the input
             # gradients below the lowest trainable layer) from the program.
             params = jax.tree.map(lambda p, fixed: jax.lax.stop_gradient(p) if fixed else p, params, frozen(params))
-        return loss_fn(
-            params,
-            batch,
-            model=model,
-            anchors=anchors,
-            loss_config=loss_config,
-            num_classes=num_classes,
-            normalizer=normalizer,
-        )
+        return loss(params, batch, rng, normalizer)
 
     grad_fn = jax.value_and_grad(loss_of_trainable, has_aux=True)
+    step_rng = jax.random.fold_in(jax.random.key(seed), state.step)
     if accumulate_steps == 1:
-        (loss, terms), grads = grad_fn(state.params, batch)
+        (total, terms), grads = grad_fn(state.params, batch, step_rng)
     else:
 
-        def add_micro_batch(totals, micro_batch):
-            (loss_sum, sums), grads = grad_fn(state.params, micro_batch, 1.0)
+        def add_micro_batch(totals, indexed_micro_batch):
+            index, micro_batch = indexed_micro_batch
+            (loss_sum, sums), grads = grad_fn(state.params, micro_batch, jax.random.fold_in(step_rng, index), 1.0)
             return jax.tree.map(jnp.add, totals, (grads, {"loss": loss_sum, **sums})), None
 
+        micro_batches = split_micro_batches(batch, accumulate_steps, micro_batch_sharding)
+        first = jax.tree.map(lambda x: x[0], micro_batches)
+        term_shapes = jax.eval_shape(lambda: grad_fn(state.params, first, step_rng, 1.0)[0][1])
         zeros = (
             jax.tree.map(jnp.zeros_like, state.params),
-            {key: jnp.zeros((), jnp.float32) for key in ("loss", "cls_loss", "box_loss", "num_positives")},
+            {key: jnp.zeros((), jnp.float32) for key in ("loss", *term_shapes)},
         )
-        micro_batches = split_micro_batches(batch, accumulate_steps, micro_batch_sharding)
-        (grad_sums, sums), _ = jax.lax.scan(add_micro_batch, zeros, micro_batches)
+        indices = jnp.arange(accumulate_steps)
+        (grad_sums, sums), _ = jax.lax.scan(add_micro_batch, zeros, (indices, micro_batches))
         normalizer = jnp.maximum(sums["num_positives"], 1.0)
         grads = jax.tree.map(lambda g: g / normalizer, grad_sums)
-        loss = sums["loss"] / normalizer
-        terms = {
-            "cls_loss": sums["cls_loss"] / normalizer,
-            "box_loss": sums["box_loss"] / normalizer,
-            "num_positives": sums["num_positives"],
-        }
+        total = sums["loss"] / normalizer
+        terms = {key: value / normalizer for key, value in sums.items() if key not in ("loss", "num_positives")}
+        terms["num_positives"] = sums["num_positives"]
     grad_norm = optax.tree.norm(grads)
     updates, new_opt_state = tx.update(grads, state.opt_state, state.params)
     new_params = optax.apply_updates(state.params, updates)
@@ -185,7 +128,7 @@ def train_step(
     # the parameters: the update is skipped on device, without a host sync.
     # The step counter still advances, since the batch was consumed and the
     # input position and schedule follow the step.
-    finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
+    finite = jnp.isfinite(total) & jnp.isfinite(grad_norm)
 
     def keep_if_finite(new, old):
         return jnp.where(finite, new, old)
@@ -199,10 +142,8 @@ def train_step(
         new_ema = ema_update(state.ema_params, params, state.step, decay=ema_decay, warmup=ema_warmup)
         ema_params = jax.tree.map(keep_if_finite, new_ema, state.ema_params)
     metrics = {
-        "loss": loss,
-        "cls_loss": terms["cls_loss"],
-        "box_loss": terms["box_loss"],
-        "num_positives": terms["num_positives"].astype(jnp.float32),
+        **{key: value.astype(jnp.float32) for key, value in terms.items()},
+        "loss": total,
         "grad_norm": grad_norm,
         "learning_rate": schedule(state.step),
         "nonfinite": jnp.logical_not(finite).astype(jnp.float32),
@@ -212,36 +153,17 @@ def train_step(
 
 
 def predict_step(
-    params,
-    batch: dict[str, jax.Array],
-    *,
-    model: nn.Module,
-    anchors: np.ndarray,
-    postprocess_config,
-    image_size: tuple[int, int],
-    box_coder_weights: tuple[float, ...],
+    params, batch: dict[str, jax.Array], *, detect: Callable[[Any, jax.Array], dict[str, jax.Array]]
 ) -> dict[str, Any]:
     """Detections in network-input pixels plus the batch fields needed to map them back.
 
-    Returns dict: boxes `[B, D, 4]` yxyx, scores `[B, D]`, classes int32 `[B, D]`,
-    valid bool `[B, D]`, and image_id / scale / original_size / example_mask passed
+    `detect` is the family's (`families.Objective.detect`). Returns dict:
+    boxes `[B, D, 4]` yxyx, scores `[B, D]`, classes int32 `[B, D]`, valid
+    bool `[B, D]`, and image_id / scale / original_size / example_mask passed
     through.
     """
-    cls_logits, box_deltas = model.apply({"params": params}, batch["image"])
-    detections = postprocess.detect(
-        cls_logits,
-        box_deltas,
-        jnp.asarray(anchors),
-        image_size[0],
-        image_size[1],
-        pre_nms_top_k=postprocess_config.pre_nms_top_k,
-        score_threshold=postprocess_config.score_threshold,
-        iou_threshold=postprocess_config.iou_threshold,
-        max_detections=postprocess_config.max_detections,
-        box_coder_weights=box_coder_weights,
-    )
     return {
-        **detections,
+        **detect(params, batch["image"]),
         "image_id": batch["image_id"],
         "scale": batch["scale"],
         "original_size": batch["original_size"],
@@ -307,12 +229,10 @@ def compile_train_step(
     train_fn = jax.jit(
         functools.partial(
             train_step,
-            model=model,
+            loss=families.objective(config, model, num_classes).loss,
             tx=tx,
             schedule=schedule,
-            anchors=anchors_for_config(config),
-            loss_config=config.loss,
-            num_classes=num_classes,
+            seed=config.seed,
             frozen=optim.frozen_parameters(config.model),
             accumulate_steps=accumulate_steps,
             micro_batch_sharding=NamedSharding(mesh, PartitionSpec(None, batch_axes)),
@@ -333,6 +253,7 @@ def compile_predict_step(
     config: ml_collections.ConfigDict,
     model: nn.Module,
     *,
+    num_classes: int,
     abstract_params: Any,
     param_shardings: Any,
     mesh: jax.sharding.Mesh,
@@ -345,14 +266,7 @@ def compile_predict_step(
     """
     batch_sharding = sharding.batch_sharding(mesh, sharding.batch_axes(mesh))
     predict_fn = jax.jit(
-        functools.partial(
-            predict_step,
-            model=model,
-            anchors=anchors_for_config(config),
-            postprocess_config=config.postprocess,
-            image_size=tuple(config.input.image_size),
-            box_coder_weights=tuple(config.loss.box_coder_weights),
-        ),
+        functools.partial(predict_step, detect=families.objective(config, model, num_classes).detect),
         in_shardings=(param_shardings, batch_sharding),
         out_shardings=batch_sharding,
     )

@@ -14,7 +14,7 @@ import jax
 from absl import logging
 
 import sharding
-from detector.models.retinanet import create_model
+from detector.models import families
 from detector.training import optim, steps
 from input_pipeline import datasets
 from sharding import memory
@@ -30,7 +30,7 @@ def plan_train_step(config, devices=None) -> StepPlan:
     rules = sharding.logical_rules(config.sharding)
     sharding.check_global_batch(config.global_batch_size, mesh)
     num_classes = len(datasets.class_names(config))
-    model = create_model(config.model, num_classes, steps.num_anchors_per_location(config))
+    model = families.create_model(config, num_classes)
     tx, schedule = optim.create_optimizer(config.optimizer, config.total_steps, model_config=config.model)
     start = time.perf_counter()
     with sharding.use_mesh(mesh, rules):

@@ -21,7 +21,7 @@ from etils import epath
 
 import input_pipeline
 import sharding
-from detector.models.retinanet import create_model
+from detector.models import families
 from detector.models.weight_import import load_backbone_params
 from detector.training import checkpointing, optim, preemption, steps
 from detector.training.evaluator import Evaluator
@@ -43,7 +43,7 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict[
     mesh, rules = _create_mesh(config)
     dataset_info = input_pipeline.get_dataset_info(config)
     data_report = DataReport(config, workdir_path, enabled=is_primary)
-    model = create_model(config.model, dataset_info.num_classes, steps.num_anchors_per_location(config))
+    model = families.create_model(config, dataset_info.num_classes)
     tx, schedule = optim.create_optimizer(config.optimizer, config.total_steps, model_config=config.model)
     programs = _compile(config, model, tx, schedule, dataset_info.num_classes, mesh, rules)
 
@@ -141,6 +141,7 @@ def _compile(config, model, tx, schedule, num_classes: int, mesh, rules) -> _Pro
         predict = steps.compile_predict_step(
             config,
             model,
+            num_classes=num_classes,
             abstract_params=abstract_state.params,
             param_shardings=state_shardings.params,
             mesh=mesh,
@@ -148,9 +149,10 @@ def _compile(config, model, tx, schedule, num_classes: int, mesh, rules) -> _Pro
         )
         logging.info("compiled train and predict steps in %.1fs", time.perf_counter() - compile_start)
     logging.info(
-        "model: %.2fM parameters, %d anchors per image",
+        "model: %s, %.2fM parameters, %s per image",
+        config.model.name,
         count_params(abstract_state.params) / 1e6,
-        steps.anchors_for_config(config).shape[0],
+        families.objective(config, model, num_classes).outputs_per_image,
     )
     log_step_plan(config, train, abstract_state, mesh)
     return _Programs(

@@ -144,8 +144,9 @@ def test_compared_models_have_the_same_parameters():
     from flax import traverse_util
 
     from benchmarks import vs_torchvision
+    from detector.models import families
     from detector.models.retinanet import create_model
-    from detector.training import optim, steps
+    from detector.training import optim
 
     result = subprocess.run(
         [sys.executable, "-c", _TORCHVISION_PARAMETERS],
@@ -158,7 +159,7 @@ def test_compared_models_have_the_same_parameters():
     )
     theirs = json.loads(result.stdout.strip().splitlines()[-1])
     config = vs_torchvision.our_config(2, 512, "float32")
-    model = create_model(config.model, 80, steps.num_anchors_per_location(config))
+    model = create_model(config.model, 80, families.num_anchors_per_location(config))
     params = jax.eval_shape(lambda: model.init(jax.random.key(0), jax.numpy.zeros((1, 512, 512, 3))))["params"]
     params = jax.tree.map(
         lambda x: x.value if hasattr(x, "value") else x, params, is_leaf=lambda x: hasattr(x, "value")

@@ -18,6 +18,7 @@ from jax.sharding import PartitionSpec as P
 
 import sharding
 from configs import common, retinanet_r50_coco
+from detector.models import families
 from detector.models.retinanet import BACKBONES, create_model
 from detector.training import optim, steps
 from detector.training.train_state import count_params, state_shardings
@@ -164,20 +165,17 @@ def test_r50_train_step_compiles_on_8_devices():
     assert dict(mesh.shape) == {"data": 8, "fsdp": 1, "model": 1}
     rules = sharding.logical_rules(config.sharding)
     batch_sharding = sharding.batch_sharding(mesh, sharding.batch_axes(mesh))
-    model = create_model(config.model, num_classes, steps.num_anchors_per_location(config))
+    model = create_model(config.model, num_classes, families.num_anchors_per_location(config))
     tx, schedule = optim.create_optimizer(config.optimizer, config.total_steps)
-    anchors = steps.anchors_for_config(config)
+    anchors = families.anchors_for_config(config)
     with sharding.use_mesh(mesh, rules):
         abstract_state, shardings = state_shardings(model, tx, tuple(config.input.image_size), mesh, rules)
         train_fn = jax.jit(
             functools.partial(
                 steps.train_step,
-                model=model,
+                loss=families.objective(config, model, num_classes).loss,
                 tx=tx,
                 schedule=schedule,
-                anchors=anchors,
-                loss_config=config.loss,
-                num_classes=num_classes,
             ),
             in_shardings=(shardings, batch_sharding),
             out_shardings=(shardings, sharding.replicated(mesh)),
@@ -262,11 +260,11 @@ def test_config_model_builds_at_its_input_size(path):
     """Shapes only (no compile, no allocation): every recipe's detector is well formed."""
     config = load_config_file(path)
     num_classes = 80 if config.dataset.name == "coco/2017" else 4
-    model = create_model(config.model, num_classes, steps.num_anchors_per_location(config))
+    model = create_model(config.model, num_classes, families.num_anchors_per_location(config))
     images = jax.ShapeDtypeStruct((1, *config.input.image_size, 3), jnp.float32)
     variables = jax.eval_shape(lambda x: model.init(jax.random.key(0), x), images)
     logits, deltas = jax.eval_shape(lambda v, x: model.apply(v, x), variables, images)
-    num_anchors = steps.anchors_for_config(config).shape[0]
+    num_anchors = families.anchors_for_config(config).shape[0]
     assert logits.shape == (1, num_anchors, num_classes) and deltas.shape == (1, num_anchors, 4)
     if path.name in VIT_BACKBONE_PARAMS:
         backbone = count_params(nn.meta.unbox(variables["params"]["backbone"]))

@@ -23,9 +23,9 @@ import pytest
 
 import sharding
 from configs import vitdet_tiny
+from detector.models import families
 from detector.models.retinanet import create_model
 from detector.models.vit import ViT
-from detector.training import steps
 from detector.training.train_compile import plan_train_step
 from detector.training.train_state import state_shardings
 from sharding import step_plan
@@ -95,7 +95,7 @@ def test_tensor_parallel_divides_vit_state_by_the_model_axis(vit_plans, model):
 
 def _parameter_sizes(config) -> set[int]:
     """Element counts of every parameter and of its per-layer slice (scanned stacks)."""
-    model = create_model(config.model, NUM_CLASSES, steps.num_anchors_per_location(config))
+    model = create_model(config.model, NUM_CLASSES, families.num_anchors_per_location(config))
     shapes = jax.eval_shape(lambda: model.init(jax.random.key(0), jnp.zeros((1, *config.input.image_size, 3))))
     sizes = set()
     for leaf in jax.tree.leaves(flax.linen.meta.unbox(shapes)):
@@ -189,7 +189,7 @@ def test_remat_trades_flops_for_temporaries():
 def test_bfloat16_computes_in_bfloat16_with_float32_parameters_and_outputs():
     config = vitdet_tiny.get_config()
     config.model.dtype = "bfloat16"
-    model = create_model(config.model, NUM_CLASSES, steps.num_anchors_per_location(config))
+    model = create_model(config.model, NUM_CLASSES, families.num_anchors_per_location(config))
     images = jnp.zeros((1, *config.input.image_size, 3))
     variables = jax.eval_shape(lambda: model.init(jax.random.key(0), images))
     assert {np.dtype(leaf.dtype) for leaf in jax.tree.leaves(flax.linen.meta.unbox(variables))} == {np.dtype("float32")}

@@ -17,10 +17,11 @@ import pytest
 
 import input_pipeline
 import sharding
+from detector.models import families
 from detector.models.retinanet import create_model
 from detector.serving import artifact
 from detector.serving.predictor import load_predictor
-from detector.training import checkpointing, steps, trainer
+from detector.training import checkpointing, trainer
 from detector.training.train_compile import plan_train_step
 from tests.helpers.runs import flat
 from tests.helpers.sharded_training import NUM_CLASSES, abstract_state_on_mesh, assert_same_training, train_on_mesh
@@ -39,7 +40,7 @@ ACCUMULATION = {
 
 
 def initial_params(config):
-    model = create_model(config.model, NUM_CLASSES, steps.num_anchors_per_location(config))
+    model = create_model(config.model, NUM_CLASSES, families.num_anchors_per_location(config))
     images = jnp.zeros((1, *config.input.image_size, 3))
     return jax.device_get(flax.linen.meta.unbox(jax.jit(lambda r: model.init(r, images))(jax.random.key(0))["params"]))
 

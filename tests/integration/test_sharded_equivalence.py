@@ -13,8 +13,8 @@ import numpy as np
 import pytest
 
 from configs import vitdet_tiny
+from detector.models import families
 from detector.models.retinanet import create_model
-from detector.training import steps
 from tests.helpers.sharded_training import NUM_CLASSES, assert_same_training, spatial_config, train_on_mesh
 
 pytestmark = pytest.mark.slow
@@ -50,7 +50,7 @@ def check_sharded_training(config, mesh_shape, expected_axes):
     config.optimizer.learning_rate = 0.05
     config.optimizer.warmup_steps = 0
     config.total_steps = 3
-    model = create_model(config.model, NUM_CLASSES, steps.num_anchors_per_location(config))
+    model = create_model(config.model, NUM_CLASSES, families.num_anchors_per_location(config))
     initial = jax.device_get(
         flax.linen.meta.unbox(
             jax.jit(lambda r: model.init(r, jnp.zeros((1, *config.input.image_size, 3))))(jax.random.key(0))["params"]

@@ -22,8 +22,9 @@ import tensorflow as tf
 import input_pipeline
 import sharding
 from detector.errors import TrainingError
+from detector.models import families
 from detector.models.retinanet import create_model
-from detector.training import checkpointing, optim, steps, trainer
+from detector.training import checkpointing, optim, trainer
 from detector.training.train_state import describe_param_shardings, state_shardings
 from tests.helpers.runs import checkpoint_steps, flat, read_jsonl
 from tests.helpers.sharded_training import abstract_state_on_mesh, assert_same_training, train_on_mesh
@@ -272,7 +273,7 @@ def test_parameters_are_partitioned_on_a_2x2x2_mesh(data_dir):
     mesh = sharding.create_mesh(dict(data=2, fsdp=2, model=2))
     rules = sharding.logical_rules(config.sharding)
     model = create_model(
-        config.model, input_pipeline.get_dataset_info(config).num_classes, steps.num_anchors_per_location(config)
+        config.model, input_pipeline.get_dataset_info(config).num_classes, families.num_anchors_per_location(config)
     )
     tx, _ = optim.create_optimizer(config.optimizer, config.total_steps)
     with sharding.use_mesh(mesh, rules):

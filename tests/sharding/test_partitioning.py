@@ -5,8 +5,9 @@ from jax.sharding import PartitionSpec as P
 
 import sharding
 from configs import default
+from detector.models import families
 from detector.models.retinanet import create_model
-from detector.training import optim, steps
+from detector.training import optim
 from detector.training.train_state import describe_param_shardings, init_train_state, state_shardings
 
 
@@ -35,7 +36,7 @@ def _sharded_state(mesh_config, rules=None):
     config.mesh.update(mesh_config)
     mesh = sharding.create_mesh(config.mesh)
     rules = rules or sharding.logical_rules(config.sharding)
-    model = create_model(config.model, 4, steps.num_anchors_per_location(config))
+    model = create_model(config.model, 4, families.num_anchors_per_location(config))
     tx, _ = optim.create_optimizer(config.optimizer, 10)
     with sharding.use_mesh(mesh, rules):
         _, shardings = state_shardings(model, tx, (64, 64), mesh, rules)

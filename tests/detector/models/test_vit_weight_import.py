@@ -26,10 +26,9 @@ from flax import traverse_util
 
 from configs import default, vitdet_b_coco, vitdet_tiny
 from detector.errors import WeightsFileError
-from detector.models import weight_import
+from detector.models import families, weight_import
 from detector.models.retinanet import create_model
 from detector.models.vit import ViT
-from detector.training import steps
 from tests.helpers import REPO_ROOT
 
 WIDTH, DEPTH, HEADS, PATCH = 64, 4, 4, 16
@@ -300,7 +299,7 @@ def test_vit_b_mae_layout_maps_onto_vitdet_b():
     # Zero strides: the file's 112M values take no memory.
     state = {name: np.broadcast_to(np.float32(ids[name]), shape) for name, shape in shapes.items()}
     config = vitdet_b_coco.get_config()
-    model = create_model(config.model, 80, steps.num_anchors_per_location(config))
+    model = create_model(config.model, 80, families.num_anchors_per_location(config))
     backbone = abstract_params(model, (224, 224))["backbone"]
 
     converted = traverse_util.flatten_dict(weight_import.convert_timm_vit(state, backbone), sep="/")
@@ -446,7 +445,7 @@ def test_misshapen_file_is_named_with_the_fix(tmp_path, file, expected):
 def test_vit_l_file_into_vit_b_model_names_the_config(tmp_path):
     state = zeros_without_memory(timm_vit_shapes(1024, 24, 14))
     config = vitdet_b_coco.get_config()
-    model = create_model(config.model, 80, steps.num_anchors_per_location(config))
+    model = create_model(config.model, 80, families.num_anchors_per_location(config))
     with pytest.raises(WeightsFileError) as error:
         weight_import.convert_timm_vit(state, abstract_params(model, (224, 224))["backbone"])
     message = str(error.value)
@@ -463,7 +462,7 @@ def test_not_a_vit_file(tmp_path):
 
     np.savez(tmp_path / "vit.npz", **timm_vit_state_dict())
     config = default.get_config()  # a ResNet
-    model = create_model(config.model, 3, steps.num_anchors_per_location(config))
+    model = create_model(config.model, 3, families.num_anchors_per_location(config))
     with pytest.raises(WeightsFileError, match=r"holds a timm ViT .* the model's backbone is a ResNet"):
         weight_import.load_backbone_params(abstract_params(model, (64, 64)), tmp_path / "vit.npz")
 
@@ -514,7 +513,7 @@ def test_cli_converts_safetensors_that_the_trainer_path_loads(tmp_path):
     )
     config = vitdet_tiny.get_config()
     config.model.backbone.pretrained = str(output)
-    model = create_model(config.model, 3, steps.num_anchors_per_location(config))
+    model = create_model(config.model, 3, families.num_anchors_per_location(config))
     params = jax.jit(model.init)(jax.random.key(0), jnp.zeros((1, 128, 128, 3)))["params"]
     images = random_images((96, 160))
     expected = reference_vit(state, images, num_heads=HEADS, window_size=4, global_attention_every=2, model_grid=(8, 8))

@@ -28,7 +28,7 @@ from benchmarks.synthetic import random_batch
 from configs import default, retinanet_r50_coco
 from detector import cli
 from detector.errors import ConfigError, WeightsFileError
-from detector.models import weight_import
+from detector.models import families, weight_import
 from detector.models.resnet import ResNet, frozen_parameter_mask
 from detector.models.retinanet import create_model
 from detector.training import optim, steps
@@ -170,7 +170,7 @@ def test_resnet50_layout_converts_and_loads_into_the_model(tmp_path):
 
     config = retinanet_r50_coco.get_config()
     config.model.backbone.norm = "frozen_bn"
-    model = create_model(config.model, 80, steps.num_anchors_per_location(config))
+    model = create_model(config.model, 80, families.num_anchors_per_location(config))
     abstract = jax.eval_shape(model.init, jax.random.key(0), jnp.zeros((1, 128, 128, 3)))["params"]
     loaded = weight_import.load_backbone_params(abstract, path)
 
@@ -417,7 +417,7 @@ def test_group_norm_keeps_its_parameter_names():
 def test_unknown_norm_is_a_config_error():
     config = default.get_config()
     config.model.backbone.norm = "batch"
-    model = create_model(config.model, 4, steps.num_anchors_per_location(config))
+    model = create_model(config.model, 4, families.num_anchors_per_location(config))
     with pytest.raises(ConfigError, match=r"model\.backbone\.norm='batch'; use one of group, frozen_bn"):
         jax.eval_shape(model.init, jax.random.key(0), jnp.zeros((1, 32, 32, 3)))
     with pytest.raises(ConfigError, match=r"model\.backbone\.norm='batch'"):
@@ -485,17 +485,14 @@ def test_frozen_stages_get_no_backward_pass():
         config = _tiny_frozen_bn_config(freeze_stages=5)
         config.global_batch_size = 2
         config.input.image_size = (64, 64)
-        model = create_model(config.model, 3, steps.num_anchors_per_location(config))
+        model = create_model(config.model, 3, families.num_anchors_per_location(config))
         tx, schedule = optim.create_optimizer(config.optimizer, 10, model_config=config.model)
         step = jax.jit(
             functools.partial(
                 steps.train_step,
-                model=model,
+                loss=families.objective(config, model, 3).loss,
                 tx=tx,
                 schedule=schedule,
-                anchors=steps.anchors_for_config(config),
-                loss_config=config.loss,
-                num_classes=3,
                 frozen=optim.frozen_parameters(config.model) if skip_frozen_gradients else None,
             )
         )

@@ -4,6 +4,7 @@ import pytest
 
 from configs import default, retinanet_r50_coco
 from detector.errors import ConfigError
+from detector.models import families
 from detector.training import optim
 
 
@@ -53,10 +54,9 @@ def _model_params(config):
     import jax
 
     from detector.models.retinanet import create_model
-    from detector.training import steps
     from detector.training.train_state import _strip_axis_metadata
 
-    model = create_model(config.model, 4, steps.num_anchors_per_location(config))
+    model = create_model(config.model, 4, families.num_anchors_per_location(config))
     images = jnp.zeros((1, *config.input.image_size, 3))
     return _strip_axis_metadata(model.init(jax.random.key(0), images)["params"])
 

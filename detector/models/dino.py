@@ -1,0 +1,464 @@
+"""DINO (Zhang et al. 2022): a deformable DETR with two-stage query selection and contrastive denoising.
+
+backbone -> 4-level pyramid (`necks.ChannelMapper` on a ResNet, the simple
+feature pyramid on a ViT) -> deformable encoder over every pyramid position
+-> top-k encoder proposals -> deformable decoder with iterative box
+refinement -> per-layer class logits and boxes. There are no anchors and no
+NMS: each of the N queries predicts one box and C sigmoid scores.
+
+Differences from the reference implementation, all for static shapes:
+  * images are not masked: the zero padding the input pipeline adds to
+    reach `input.image_size` is part of the map (valid ratios are 1), as
+    for the project's RetinaNet;
+  * the denoising groups are a fixed number G of copies of all
+    `input.max_boxes` slots, not `dn_number // max_gt` of the batch's real
+    boxes (see `detector.ops.denoising`);
+  * encoder proposals outside (0.01, 0.99) are excluded from the top-k by
+    their score rather than by infinite coordinates;
+  * the decoder's output LayerNorm feeds both the box refinement and the
+    predictions (DINO refines from the un-normed output and predicts from
+    the normed one); the boxes a layer predicts and the references the next
+    layer uses are therefore the same numbers.
+
+Logical axis names (mapped to mesh axes by `config.sharding.rules`):
+  parameters  'embed' (model width, FSDP), 'heads' and 'mlp' (tensor
+              parallel), 'kv' (head width), 'norm' (width-sized vectors);
+  activations ('batch', 'tokens', 'act_embed') for tokens and queries,
+              ('batch', 'tokens', 'act_heads', 'kv') inside attention and
+              ('batch', 'tokens', 'act_mlp') inside the FFN.
+Every attention (deformable or not) splits its value/query/key projections
+by head and its output projection by input, and the FFN splits its hidden
+units: with heads and mlp on `model` (Megatron) an encoder layer's forward
+pass needs two all-reduces and a decoder layer's three. The small prediction
+heads are replicated over `model`.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from detector.models.layers import rematerialized
+from detector.models.vit import Projection, layer_norm
+from detector.ops.deformable_attention import multi_scale_deformable_attention
+
+TOKEN_AXES = ("batch", "tokens", "act_embed")
+HEAD_AXES = ("batch", "tokens", "act_heads", "kv")
+FFN_AXES = ("batch", "tokens", "act_mlp")
+
+
+def inverse_sigmoid(x: jax.Array, eps: float = 1e-5) -> jax.Array:
+    """logit(x) for x in [0, 1], clipped to stay finite at 0 and 1."""
+    x = jnp.clip(x, 0.0, 1.0)
+    return jnp.log(jnp.maximum(x, eps) / jnp.maximum(1.0 - x, eps))
+
+
+def _sine(positions: np.ndarray | jax.Array, dim: int, temperature: float, xp) -> Any:
+    """`[...]` positions (already scaled to radians) -> `[..., dim]`: sin/cos interleaved at geometric frequencies."""
+    frequencies = temperature ** (2 * (np.arange(dim) // 2) / dim)
+    angles = positions[..., None] / frequencies
+    return xp.stack([xp.sin(angles[..., 0::2]), xp.cos(angles[..., 1::2])], axis=-1).reshape(*angles.shape[:-1], dim)
+
+
+def map_position_embedding(height: int, width: int, dim: int, temperature: float = 10000.0) -> np.ndarray:
+    """DETR's normalised sine embedding of a `height x width` map: float32 `[height * width, dim]` (y half, x half).
+
+    Pixel centres are at (i + 0.5) / size, times 2 pi.
+    """
+    ys = (np.arange(height) + 0.5) / height * 2 * math.pi
+    xs = (np.arange(width) + 0.5) / width * 2 * math.pi
+    pos_y = _sine(ys, dim // 2, temperature, np)[:, None, :].repeat(width, axis=1)
+    pos_x = _sine(xs, dim // 2, temperature, np)[None, :, :].repeat(height, axis=0)
+    return np.concatenate([pos_y, pos_x], axis=-1).reshape(height * width, dim).astype(np.float32)
+
+
+def box_position_embedding(boxes_cxcywh: jax.Array, dim_per_coordinate: int) -> jax.Array:
+    """DINO's sine embedding of reference boxes: `[..., 4]` in [0, 1] -> `[..., 4 * dim_per_coordinate]`, y x w h."""
+    scaled = boxes_cxcywh.astype(jnp.float32) * (2 * math.pi)
+    cx, cy, w, h = (scaled[..., i] for i in range(4))
+    return jnp.concatenate([_sine(v, dim_per_coordinate, 10000.0, jnp) for v in (cy, cx, w, h)], axis=-1)
+
+
+def encoder_reference_points(spatial_shapes: list[tuple[int, int]]) -> np.ndarray:
+    """float32 `[S, 2]` normalised (x, y) pixel centres of every position of every level, in token order."""
+    points = []
+    for height, width in spatial_shapes:
+        ys, xs = np.meshgrid((np.arange(height) + 0.5) / height, (np.arange(width) + 0.5) / width, indexing="ij")
+        points.append(np.stack([xs.ravel(), ys.ravel()], axis=-1))
+    return np.concatenate(points).astype(np.float32)
+
+
+def encoder_proposals(spatial_shapes: list[tuple[int, int]]) -> tuple[np.ndarray, np.ndarray]:
+    """Two-stage proposals: a box of side 0.05 * 2**level centred on every position.
+
+    Returns (float32 `[S, 4]` proposals as logits of normalised cxcywh,
+    bool `[S]` whether every coordinate lies in (0.01, 0.99), the positions
+    the top-k may choose).
+    """
+    boxes = []
+    for level, (height, width) in enumerate(spatial_shapes):
+        centres = encoder_reference_points([(height, width)])
+        sizes = np.full_like(centres, 0.05 * 2.0**level)
+        boxes.append(np.concatenate([centres, sizes], axis=-1))
+    boxes = np.concatenate(boxes)
+    valid = np.all((boxes > 0.01) & (boxes < 0.99), axis=-1)
+    logits = np.log(boxes / (1.0 - boxes))
+    return np.where(valid[:, None], logits, 0.0).astype(np.float32), valid
+
+
+def _grid_offsets_init(num_heads: int, num_levels: int, num_points: int):
+    """Deformable DETR's initial sampling offsets: head h points along angle 2 pi h / H, point p at p + 1 pixels."""
+
+    def init(key, shape, dtype=jnp.float32):
+        del key
+        angles = np.arange(num_heads) * (2.0 * math.pi / num_heads)
+        grid = np.stack([np.cos(angles), np.sin(angles)], -1)
+        grid = grid / np.abs(grid).max(-1, keepdims=True)
+        grid = np.tile(grid[:, None, None, :], (1, num_levels, num_points, 1))
+        grid = grid * np.arange(1, num_points + 1)[None, None, :, None]
+        return jnp.asarray(grid.reshape(shape), dtype)
+
+    return init
+
+
+class MultiScaleDeformableAttention(nn.Module):
+    """Deformable attention of queries over the flattened pyramid (Zhu et al. 2020).
+
+    `__call__(query [B, Q, E], reference [B or 1, Q, 2 or 4], values [B, S, E], spatial_shapes) -> [B, Q, E]`.
+    A 2-d reference is a point (x, y): offsets are in pixels of each level;
+    a 4-d one a box (cx, cy, w, h): offsets are in units of the box's half
+    size divided by the number of points.
+    """
+
+    num_heads: int
+    num_levels: int
+    num_points: int
+    dtype: Any = jnp.float32
+
+    @nn.compact
+    def __call__(self, query, reference, values, spatial_shapes: tuple[tuple[int, int], ...]) -> jax.Array:
+        batch, num_queries, embed = query.shape
+        heads, levels, points = self.num_heads, self.num_levels, self.num_points
+        head_dim = embed // heads
+        value = Projection(
+            (heads, head_dim), ("embed", "heads", "kv"), ("heads", "kv"), dtype=self.dtype, name="value"
+        )(values)
+        value = nn.with_logical_constraint(value, HEAD_AXES)
+        offsets = Projection(
+            (heads, levels, points, 2),
+            ("embed", "heads", None, None, None),
+            ("heads", None, None, None),
+            dtype=self.dtype,
+            kernel_init=nn.initializers.zeros,
+            bias_init=_grid_offsets_init(heads, levels, points),
+            name="sampling_offsets",
+        )(query).astype(jnp.float32)
+        logits = Projection(
+            (heads, levels * points),
+            ("embed", "heads", None),
+            ("heads", None),
+            dtype=self.dtype,
+            kernel_init=nn.initializers.zeros,
+            name="attention_weights",
+        )(query).astype(jnp.float32)
+        weights = jax.nn.softmax(logits, axis=-1).reshape(batch, num_queries, heads, levels, points)
+
+        reference = reference.astype(jnp.float32)[:, :, None, None, None, :]
+        if reference.shape[-1] == 2:
+            level_sizes = jnp.asarray([(w, h) for h, w in spatial_shapes], jnp.float32)  # [L, 2] as (x, y)
+            locations = reference + offsets / level_sizes[None, None, None, :, None, :]
+        else:
+            locations = reference[..., :2] + offsets / points * reference[..., 2:] * 0.5
+        sampled = multi_scale_deformable_attention(value, spatial_shapes, locations, weights)
+        sampled = nn.with_logical_constraint(sampled.reshape(batch, num_queries, heads, head_dim), HEAD_AXES)
+        out = Projection((embed,), ("heads", "kv", "embed"), ("norm",), contract=2, dtype=self.dtype, name="output")(
+            sampled
+        )
+        return nn.with_logical_constraint(out, TOKEN_AXES)
+
+
+class MultiHeadAttention(nn.Module):
+    """Dot-product attention `(query, key, value [B, T, E], mask [B, T, T] bool or None) -> [B, T, E]`."""
+
+    num_heads: int
+    dtype: Any = jnp.float32
+
+    @nn.compact
+    def __call__(self, query, key, value, mask=None) -> jax.Array:
+        embed = query.shape[-1]
+        head_dim = embed // self.num_heads
+
+        def project(x, name):
+            y = Projection(
+                (self.num_heads, head_dim), ("embed", "heads", "kv"), ("heads", "kv"), dtype=self.dtype, name=name
+            )(x)
+            return nn.with_logical_constraint(y, HEAD_AXES)
+
+        q, k, v = project(query, "query"), project(key, "key"), project(value, "value")
+        # Logits and softmax in float32, as in the ViT.
+        logits = jnp.einsum("bqhd,bkhd->bhqk", q, k, preferred_element_type=jnp.float32) * head_dim**-0.5
+        if mask is not None:
+            logits = jnp.where(mask[:, None], logits, jnp.finfo(jnp.float32).min)
+        weights = jax.nn.softmax(logits, axis=-1).astype(self.dtype)
+        out = nn.with_logical_constraint(jnp.einsum("bhqk,bkhd->bqhd", weights, v), HEAD_AXES)
+        out = Projection((embed,), ("heads", "kv", "embed"), ("norm",), contract=2, dtype=self.dtype, name="output")(
+            out
+        )
+        return nn.with_logical_constraint(out, TOKEN_AXES)
+
+
+class FeedForward(nn.Module):
+    """`[B, T, E] -> [B, T, E]`: E -> hidden (ReLU) -> E, hidden units split over `mlp`."""
+
+    hidden: int
+    dtype: Any = jnp.float32
+
+    @nn.compact
+    def __call__(self, x: jax.Array) -> jax.Array:
+        embed = x.shape[-1]
+        y = Projection((self.hidden,), ("embed", "mlp"), ("mlp",), dtype=self.dtype, name="fc1")(x)
+        y = nn.with_logical_constraint(nn.relu(y), FFN_AXES)
+        y = Projection((embed,), ("mlp", "embed"), ("norm",), dtype=self.dtype, name="fc2")(y)
+        return nn.with_logical_constraint(y, TOKEN_AXES)
+
+
+class PredictionMlp(nn.Module):
+    """A small MLP `[..., E_in] -> [..., out]` (ReLU between layers), replicated over `model`."""
+
+    hidden: int
+    out: int
+    num_layers: int
+    zero_last: bool = False  # start at a zero output (the box refinement's delta)
+    dtype: Any = jnp.float32
+
+    @nn.compact
+    def __call__(self, x: jax.Array) -> jax.Array:
+        for i in range(self.num_layers):
+            last = i == self.num_layers - 1
+            features = self.out if last else self.hidden
+            x = Projection(
+                (features,),
+                ("embed", None),
+                (None,),
+                dtype=self.dtype,
+                kernel_init=nn.initializers.zeros if last and self.zero_last else None,
+                name=f"layer{i}",
+            )(x)
+            x = x if last else nn.relu(x)
+        return x
+
+
+class EncoderLayer(nn.Module):
+    """Post-norm deformable self-attention over all pyramid positions, then the FFN."""
+
+    num_heads: int
+    num_levels: int
+    num_points: int
+    ffn_dim: int
+    spatial_shapes: tuple[tuple[int, int], ...]
+    dtype: Any = jnp.float32
+
+    @nn.compact
+    def __call__(self, x: jax.Array, position: jax.Array, reference: jax.Array) -> jax.Array:
+        attention = MultiScaleDeformableAttention(
+            self.num_heads, self.num_levels, self.num_points, self.dtype, name="self_attention"
+        )
+        x = layer_norm(self.dtype, "norm1", 1e-5)(x + attention(x + position, reference, x, self.spatial_shapes))
+        x = layer_norm(self.dtype, "norm2", 1e-5)(x + FeedForward(self.ffn_dim, self.dtype, name="ffn")(x))
+        return nn.with_logical_constraint(x, TOKEN_AXES)
+
+
+class DecoderLayer(nn.Module):
+    """Post-norm query self-attention (masked), deformable cross-attention into the encoder memory, FFN."""
+
+    num_heads: int
+    num_levels: int
+    num_points: int
+    ffn_dim: int
+    spatial_shapes: tuple[tuple[int, int], ...]
+    dtype: Any = jnp.float32
+
+    @nn.compact
+    def __call__(self, queries, query_position, reference_boxes, memory, mask) -> jax.Array:
+        q = queries + query_position
+        y = MultiHeadAttention(self.num_heads, self.dtype, name="self_attention")(q, q, queries, mask)
+        queries = layer_norm(self.dtype, "norm1", 1e-5)(queries + y)
+        cross = MultiScaleDeformableAttention(
+            self.num_heads, self.num_levels, self.num_points, self.dtype, name="cross_attention"
+        )
+        y = cross(queries + query_position, reference_boxes, memory, self.spatial_shapes)
+        queries = layer_norm(self.dtype, "norm2", 1e-5)(queries + y)
+        y = FeedForward(self.ffn_dim, self.dtype, name="ffn")(queries)
+        queries = layer_norm(self.dtype, "norm3", 1e-5)(queries + y)
+        return nn.with_logical_constraint(queries, TOKEN_AXES)
+
+
+def _class_head(num_classes: int, dtype: Any, name: str) -> Projection:
+    """Per-class sigmoid logits; the prior bias starts every query at p = 0.01, as in RetinaNet."""
+    prior_bias = -math.log((1.0 - 0.01) / 0.01)
+    return Projection(
+        (num_classes,), ("embed", None), (None,), dtype=dtype, bias_init=nn.initializers.constant(prior_bias), name=name
+    )
+
+
+def _gather_queries(x: jax.Array, index: jax.Array) -> jax.Array:
+    """`x [B, S, ...]`, `index [B, K]` -> `[B, K, ...]`."""
+    return jnp.take_along_axis(x, index.reshape(*index.shape, *([1] * (x.ndim - 2))), axis=1)
+
+
+class Dino(nn.Module):
+    """The DINO detector.
+
+    `__call__(images [B, H, W, 3], denoising=None)` returns float32 arrays:
+      logits `[K, B, N, C]` and boxes `[K, B, N, 4]` (normalised cxcywh) of the
+        N matching queries after each of the K decoder layers;
+      encoder_logits `[B, N, C]`, encoder_boxes `[B, N, 4]`: the selected
+        encoder proposals (two-stage), trained like a decoder layer;
+      with `denoising` (a dict of labels int32 `[B, D]`, boxes_cxcywh
+      `[B, D, 4]` and attention_mask bool `[B, D + N, D + N]`, see
+      `detector.ops.denoising`): denoising_logits `[K, B, D, C]` and
+      denoising_boxes `[K, B, D, 4]` too.
+    """
+
+    backbone: nn.Module  # images -> {level: features}
+    neck: nn.Module  # {level: features} -> {level: [B, h, w, hidden_dim]}, 4 levels
+    num_classes: int
+    hidden_dim: int = 256
+    num_heads: int = 8
+    ffn_dim: int = 2048
+    num_encoder_layers: int = 6
+    num_decoder_layers: int = 6
+    num_points: int = 4
+    num_queries: int = 900
+    remat: str = "none"
+    dtype: Any = jnp.float32
+
+    @nn.compact
+    def __call__(self, images: jax.Array, denoising: dict[str, jax.Array] | None = None) -> dict[str, jax.Array]:
+        pyramid = self.neck(self.backbone(images))
+        levels = sorted(pyramid)
+        spatial_shapes = tuple((int(pyramid[level].shape[1]), int(pyramid[level].shape[2])) for level in levels)
+        batch, embed = images.shape[0], self.hidden_dim
+        queries = self.num_queries
+
+        level_embed = self.param(
+            "level_embed",
+            nn.with_logical_partitioning(nn.initializers.normal(1.0), (None, "norm")),
+            (len(levels), embed),
+        )
+        tokens = jnp.concatenate([pyramid[level].reshape(batch, -1, embed) for level in levels], axis=1)
+        tokens = nn.with_logical_constraint(tokens.astype(self.dtype), TOKEN_AXES)
+        position = jnp.concatenate(
+            [
+                jnp.asarray(map_position_embedding(h, w, embed)) + level_embed[i]
+                for i, (h, w) in enumerate(spatial_shapes)
+            ]
+        )[None].astype(self.dtype)
+
+        encoder_reference = jnp.asarray(encoder_reference_points(list(spatial_shapes)))[None]
+        encoder_layer = rematerialized(EncoderLayer, self.remat)
+        memory = tokens
+        for i in range(self.num_encoder_layers):
+            memory = encoder_layer(
+                self.num_heads,
+                len(levels),
+                self.num_points,
+                self.ffn_dim,
+                spatial_shapes,
+                self.dtype,
+                name=f"encoder{i}",
+            )(memory, position, encoder_reference)
+
+        # Two-stage query selection: every position proposes a box; the N best
+        # give the decoder its reference boxes (the content queries are learned).
+        proposals, proposal_valid = encoder_proposals(list(spatial_shapes))
+        selection_memory = jnp.where(jnp.asarray(proposal_valid)[None, :, None], memory, 0)
+        selection_memory = Projection((embed,), ("embed", None), (None,), dtype=self.dtype, name="proposal_proj")(
+            selection_memory
+        )
+        selection_memory = layer_norm(self.dtype, "proposal_norm", 1e-5)(selection_memory)
+        proposal_logits = _class_head(self.num_classes, self.dtype, "encoder_class_head")(selection_memory).astype(
+            jnp.float32
+        )
+        proposal_boxes = (
+            PredictionMlp(embed, 4, 3, zero_last=True, dtype=self.dtype, name="encoder_box_head")(
+                selection_memory
+            ).astype(jnp.float32)
+            + jnp.asarray(proposals)[None]
+        )
+        scores = jnp.where(jnp.asarray(proposal_valid)[None], jnp.max(proposal_logits, axis=-1), -jnp.inf)
+        _, selected = jax.lax.top_k(jax.lax.stop_gradient(scores), queries)  # [B, N]
+        encoder_logits = _gather_queries(proposal_logits, selected)
+        encoder_boxes_logit = _gather_queries(proposal_boxes, selected)
+        reference = jax.lax.stop_gradient(jax.nn.sigmoid(encoder_boxes_logit))
+
+        content = self.param(
+            "query_content", nn.with_logical_partitioning(nn.initializers.normal(1.0), (None, "norm")), (queries, embed)
+        )
+        content = jnp.broadcast_to(content.astype(self.dtype)[None], (batch, queries, embed))
+        label_embedding = nn.Embed(
+            self.num_classes,
+            embed,
+            dtype=self.dtype,
+            param_dtype=jnp.float32,
+            embedding_init=nn.with_logical_partitioning(nn.initializers.normal(1.0), (None, "norm")),
+            name="denoising_label_embedding",
+        )
+        mask = None
+        num_denoising = 0
+        if denoising is not None:
+            num_denoising = denoising["labels"].shape[1]
+            labels = jnp.clip(denoising["labels"], 0, self.num_classes - 1)
+            content = jnp.concatenate([label_embedding(labels), content], axis=1)
+            reference = jnp.concatenate([denoising["boxes_cxcywh"].astype(jnp.float32), reference], axis=1)
+            mask = denoising["attention_mask"]
+        elif self.is_initializing():
+            label_embedding(jnp.zeros((1, 1), jnp.int32))  # its parameters exist whether or not training denoises
+
+        reference_head = PredictionMlp(embed, embed, 2, dtype=self.dtype, name="query_position_head")
+        class_head = _class_head(self.num_classes, self.dtype, "class_head")
+        box_head = PredictionMlp(embed, 4, 3, zero_last=True, dtype=self.dtype, name="box_head")
+        output_norm = layer_norm(self.dtype, "decoder_norm", 1e-5)
+        decoder_layer = rematerialized(DecoderLayer, self.remat)
+        x = nn.with_logical_constraint(content, TOKEN_AXES)
+        previous_boxes = reference  # the previous layer's prediction, with its gradient
+        all_logits, all_boxes = [], []
+        for i in range(self.num_decoder_layers):
+            reference = jax.lax.stop_gradient(previous_boxes)
+            query_position = reference_head(box_position_embedding(reference, embed // 2).astype(self.dtype))
+            x = decoder_layer(
+                self.num_heads,
+                len(levels),
+                self.num_points,
+                self.ffn_dim,
+                spatial_shapes,
+                self.dtype,
+                name=f"decoder{i}",
+            )(x, query_position, reference, memory, mask)
+            normed = output_norm(x)
+            delta = box_head(normed).astype(jnp.float32)
+            # Look forward twice: this layer's boxes refine the previous layer's
+            # prediction with its gradient (so layer i's loss also trains layer
+            # i - 1's box head), while the next layer samples around them
+            # without it (reference above).
+            boxes = jax.nn.sigmoid(delta + inverse_sigmoid(previous_boxes))
+            all_logits.append(class_head(normed).astype(jnp.float32))
+            all_boxes.append(boxes)
+            previous_boxes = boxes
+
+        logits, boxes = jnp.stack(all_logits), jnp.stack(all_boxes)
+        outputs = {
+            "logits": logits[:, :, num_denoising:],
+            "boxes": boxes[:, :, num_denoising:],
+            "encoder_logits": encoder_logits,
+            "encoder_boxes": jax.nn.sigmoid(encoder_boxes_logit),
+        }
+        if denoising is not None:
+            outputs["denoising_logits"] = logits[:, :, :num_denoising]
+            outputs["denoising_boxes"] = boxes[:, :, :num_denoising]
+        return outputs

@@ -1,0 +1,286 @@
+"""Detector families: each network with its training objective and its decoding into detections.
+
+`config.model.name` picks the family:
+  * "retinanet": dense anchors, a focal loss over anchors matched by IoU,
+    NMS at inference (`detector.models.retinanet`);
+  * "dino": 900 queries, Hungarian-matched set losses on every decoder
+    layer, the encoder proposals and contrastive denoising groups, top-k
+    at inference without NMS (`detector.models.dino`).
+
+The train and predict steps see a family only through `Objective`: pure
+functions of (params, batch), so they jit, shard and export the same way.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+from typing import Any
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from detector.errors import ConfigError
+from detector.models import retinanet
+from detector.models.dino import Dino, encoder_proposals
+from detector.models.necks import ChannelMapper, SimpleFeaturePyramid
+from detector.ops import anchors as anchors_lib
+from detector.ops import denoising, losses, matching, postprocess
+
+FAMILIES = ("retinanet", "dino")
+
+
+@dataclasses.dataclass(frozen=True)
+class Objective:
+    """What the steps need of a family, as pure functions.
+
+    loss: `(params, batch, rng, normalizer=None) -> (loss, terms)`. Terms
+      hold float32 scalars `cls_loss`, `box_loss` (parts of the loss) and
+      `num_positives` (the count the loss is divided by), and maybe more
+      parts. With `normalizer` the sums are divided by it instead (1: plain
+      sums, for gradient accumulation over micro-batches).
+    detect: `(params, images [B, H, W, 3]) -> dict` of boxes float32
+      `[B, D, 4]` yxyx in network-input pixels, scores `[B, D]`, classes
+      int32 `[B, D]` and valid bool `[B, D]`; D = `postprocess.max_detections`.
+    outputs_per_image: anchors or queries, for logs.
+    """
+
+    loss: Callable[..., tuple[jax.Array, dict[str, jax.Array]]]
+    detect: Callable[[Any, jax.Array], dict[str, jax.Array]]
+    outputs_per_image: str
+
+
+def family_of(model_config) -> str:
+    name = model_config.name
+    if name not in FAMILIES:
+        raise ConfigError(f"model.name={name!r}; use one of {', '.join(FAMILIES)}")
+    return name
+
+
+def anchors_for_config(config) -> np.ndarray:
+    """`[A, 4]` yxyx anchors in network-input pixels for `config.input.image_size` (RetinaNet)."""
+    a = config.model.anchors
+    height, width = config.input.image_size
+    return anchors_lib.generate_anchors(
+        height, width, a.min_level, a.max_level, a.num_scales, tuple(a.aspect_ratios), a.anchor_size
+    )
+
+
+def num_anchors_per_location(config) -> int:
+    a = config.model.anchors
+    return anchors_lib.num_anchors_per_location(a.num_scales, tuple(a.aspect_ratios))
+
+
+def create_model(config, num_classes: int) -> nn.Module:
+    """The network of `config.model.name` for `num_classes` classes."""
+    if family_of(config.model) == "retinanet":
+        return retinanet.create_model(config.model, num_classes, num_anchors_per_location(config))
+    return create_dino(config, num_classes)
+
+
+def create_dino(config, num_classes: int) -> Dino:
+    """DINO from `config.model` (backbone, dtype, remat) and `config.model.dino`."""
+    model_config, dino = config.model, config.model.dino
+    dtype = retinanet.compute_dtype(model_config)
+    if dino.hidden_dim % dino.num_heads or (dino.hidden_dim // dino.num_heads) % 2:
+        raise ConfigError(
+            f"model.dino.hidden_dim={dino.hidden_dim} must split into num_heads={dino.num_heads} heads of an even width"
+        )
+    num_levels = dino.max_level - dino.min_level + 1
+    if dino.min_level < 2 or num_levels < 1:
+        raise ConfigError(f"model.dino levels {dino.min_level}..{dino.max_level}; use e.g. 3..6 (4 scales)")
+    height, width = config.input.image_size
+    shapes = [(-(-height // 2**level), -(-width // 2**level)) for level in range(dino.min_level, dino.max_level + 1)]
+    selectable = int(encoder_proposals(shapes)[1].sum())
+    if dino.num_queries > selectable:
+        raise ConfigError(
+            f"model.dino.num_queries={dino.num_queries}, but {height}x{width} inputs give only {selectable} "
+            f"encoder proposals on levels {dino.min_level}..{dino.max_level}; use fewer queries or larger images"
+        )
+    backbone = retinanet.create_backbone(model_config, dtype)
+    levels = dict(min_level=dino.min_level, max_level=dino.max_level, dtype=dtype)
+    if model_config.backbone.name == "resnet":
+        neck = ChannelMapper(dino.hidden_dim, **levels)
+    else:
+        neck = SimpleFeaturePyramid(dino.hidden_dim, **levels)
+    return Dino(
+        backbone=backbone,
+        neck=neck,
+        num_classes=num_classes,
+        hidden_dim=dino.hidden_dim,
+        num_heads=dino.num_heads,
+        ffn_dim=dino.ffn_dim,
+        num_encoder_layers=dino.encoder_layers,
+        num_decoder_layers=dino.decoder_layers,
+        num_points=dino.num_points,
+        num_queries=dino.num_queries,
+        remat=model_config.remat,
+        dtype=dtype,
+    )
+
+
+def objective(config, model: nn.Module, num_classes: int) -> Objective:
+    """The loss and detection functions of `model`, built by `create_model(config, num_classes)`."""
+    if family_of(config.model) == "retinanet":
+        return _retinanet_objective(config, model, num_classes)
+    return _dino_objective(config, model, num_classes)
+
+
+def _retinanet_objective(config, model: nn.Module, num_classes: int) -> Objective:
+    anchors = anchors_for_config(config)
+    loss_config = config.loss
+    height, width = config.input.image_size
+    box_coder_weights = tuple(loss_config.box_coder_weights)
+
+    def loss(params, batch, rng=None, normalizer=None):
+        del rng  # deterministic
+        cls_logits, box_deltas = model.apply({"params": params}, batch["image"])
+        return losses.retinanet_loss(
+            cls_logits,
+            box_deltas,
+            jnp.asarray(anchors),
+            batch["boxes"],
+            batch["labels"],
+            batch["boxes_mask"],
+            num_classes=num_classes,
+            positive_iou=loss_config.positive_iou,
+            negative_iou=loss_config.negative_iou,
+            allow_low_quality_matches=loss_config.allow_low_quality_matches,
+            focal_alpha=loss_config.focal_alpha,
+            focal_gamma=loss_config.focal_gamma,
+            box_loss=loss_config.box_loss,
+            huber_delta=loss_config.huber_delta,
+            box_loss_weight=loss_config.box_loss_weight,
+            box_coder_weights=box_coder_weights,
+            example_mask=batch["example_mask"],
+            normalizer=normalizer,
+        )
+
+    def detect(params, images):
+        cls_logits, box_deltas = model.apply({"params": params}, images)
+        post = config.postprocess
+        return postprocess.detect(
+            cls_logits,
+            box_deltas,
+            jnp.asarray(anchors),
+            height,
+            width,
+            pre_nms_top_k=post.pre_nms_top_k,
+            score_threshold=post.score_threshold,
+            iou_threshold=post.iou_threshold,
+            max_detections=post.max_detections,
+            box_coder_weights=box_coder_weights,
+        )
+
+    return Objective(loss=loss, detect=detect, outputs_per_image=f"{anchors.shape[0]} anchors")
+
+
+def normalized_cxcywh(boxes_yxyx: jax.Array, image_size: tuple[int, int]) -> jax.Array:
+    """`[..., 4]` yxyx pixels -> (cx, cy, w, h) as fractions of the `(height, width)` network input."""
+    height, width = image_size
+    y0, x0, y1, x1 = (boxes_yxyx[..., i].astype(jnp.float32) for i in range(4))
+    return jnp.stack([(x0 + x1) / (2 * width), (y0 + y1) / (2 * height), (x1 - x0) / width, (y1 - y0) / height], -1)
+
+
+def _dino_objective(config, model: nn.Module, num_classes: int) -> Objective:
+    dino, loss_config = config.model.dino, config.loss
+    weights = loss_config.set_prediction
+    image_size = tuple(config.input.image_size)
+    max_boxes = config.input.max_boxes
+    groups = dino.denoising_groups
+    focal = dict(focal_alpha=loss_config.focal_alpha, focal_gamma=loss_config.focal_gamma)
+    loss_weights = dict(class_weight=weights.class_weight, l1_weight=weights.l1_weight, giou_weight=weights.giou_weight)
+    match_weights = dict(
+        class_weight=weights.match_class_weight,
+        l1_weight=weights.match_l1_weight,
+        giou_weight=weights.match_giou_weight,
+        **focal,
+    )
+    if not isinstance(groups, int) or groups < 0:
+        raise ConfigError(f"model.dino.denoising_groups={groups!r}; use a whole number >= 0 (0: no denoising)")
+
+    def set_loss(logits, boxes, labels, gt_boxes, query_to_gt, num_boxes, query_mask):
+        return losses.set_prediction_loss(
+            logits,
+            boxes,
+            labels,
+            gt_boxes,
+            query_to_gt,
+            num_boxes=num_boxes,
+            query_mask=query_mask,
+            **focal,
+            **loss_weights,
+        )
+
+    def loss(params, batch, rng, normalizer=None):
+        gt_mask = batch["boxes_mask"] & batch["example_mask"][:, None]
+        gt_boxes = normalized_cxcywh(batch["boxes"], image_size)
+        labels = jnp.maximum(batch["labels"], 0)
+        num_boxes = jnp.sum(gt_mask).astype(jnp.float32)
+        divisor = jnp.maximum(num_boxes, 1.0) if normalizer is None else normalizer
+        denoising_inputs = None
+        if groups:
+            queries = denoising.contrastive_denoising_queries(
+                rng,
+                gt_boxes,
+                labels,
+                gt_mask,
+                num_groups=groups,
+                num_classes=num_classes,
+                label_noise_ratio=dino.label_noise_ratio,
+                box_noise_scale=dino.box_noise_scale,
+            )
+            denoising_inputs = {
+                "labels": queries["labels"],
+                "boxes_cxcywh": queries["boxes_cxcywh"],
+                "attention_mask": denoising.denoising_attention_mask(
+                    groups, max_boxes, dino.num_queries, queries["valid"]
+                ),
+            }
+        outputs = model.apply({"params": params}, batch["image"], denoising_inputs)
+
+        # Every decoder layer and the encoder proposals are matched on their own.
+        all_logits = jnp.concatenate([outputs["logits"], outputs["encoder_logits"][None]])
+        all_boxes = jnp.concatenate([outputs["boxes"], outputs["encoder_boxes"][None]])
+        stopped = jax.lax.stop_gradient
+        _, query_to_gt = jax.vmap(
+            lambda lg, bx: matching.match_batch(lg, bx, labels, gt_boxes, gt_mask, **match_weights)
+        )(stopped(all_logits), stopped(all_boxes))
+        query_mask = jnp.broadcast_to(batch["example_mask"][:, None], query_to_gt.shape[1:])
+        _, matched = jax.vmap(lambda lg, bx, q: set_loss(lg, bx, labels, gt_boxes, q, divisor, query_mask))(
+            all_logits, all_boxes, query_to_gt
+        )
+        terms = {
+            "cls_loss": jnp.sum(matched["cls_loss"]),
+            "box_loss": jnp.sum(matched["l1_loss"]) + jnp.sum(matched["giou_loss"]),
+            "encoder_loss": matched["cls_loss"][-1] + matched["l1_loss"][-1] + matched["giou_loss"][-1],
+        }
+        if groups:
+            valid = queries["valid"] & batch["example_mask"][:, None]
+            dn_to_gt = jnp.where(queries["positive"] & valid, queries["gt_index"], -1)
+            # Each group repeats every box, so the groups' sum is divided by G times the box count.
+            _, dn = jax.vmap(lambda lg, bx: set_loss(lg, bx, labels, gt_boxes, dn_to_gt, divisor * groups, valid))(
+                outputs["denoising_logits"], outputs["denoising_boxes"]
+            )
+            dn_cls, dn_box = jnp.sum(dn["cls_loss"]), jnp.sum(dn["l1_loss"]) + jnp.sum(dn["giou_loss"])
+            terms["cls_loss"] += dn_cls
+            terms["box_loss"] += dn_box
+            terms["denoising_loss"] = dn_cls + dn_box
+        terms["num_positives"] = num_boxes
+        return terms["cls_loss"] + terms["box_loss"], terms
+
+    def detect(params, images):
+        outputs = model.apply({"params": params}, images)
+        post = config.postprocess
+        return postprocess.detect_from_queries(
+            outputs["logits"][-1],
+            outputs["boxes"][-1],
+            image_size[0],
+            image_size[1],
+            max_detections=post.max_detections,
+            score_threshold=post.score_threshold,
+        )
+
+    return Objective(loss=loss, detect=detect, outputs_per_image=f"{dino.num_queries} queries")
