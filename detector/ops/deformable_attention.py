@@ -18,12 +18,24 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 
+# `method="auto"` uses the sampling matrix up to this many value positions (all
+# levels together): its matmul and scalar scatter beat the row gather and its
+# scatter-add gradient by 4-5x on a CPU at S = 340, and the [B, H, Q, S]
+# matrix stays small; larger maps gather.
+DENSE_MAX_POSITIONS = 1024
+METHODS = ("auto", "gather", "matrix")
+
 
 def multi_scale_deformable_attention(
-    value, spatial_shapes: Sequence[tuple[int, int]], sampling_locations, attention_weights
+    value,
+    spatial_shapes: Sequence[tuple[int, int]],
+    sampling_locations,
+    attention_weights,
+    method: str = "auto",
 ):
     """Bilinearly samples each level's value map at the given points and sums the samples with the given weights.
 
@@ -59,6 +71,13 @@ def multi_scale_deformable_attention(
     location and weight gradients need it): for encoder self-attention, where
     Q = S, wrap the caller in ``jax.checkpoint`` if that does not fit. Plain
     XLA ops, usable under ``jit``, ``vmap`` and ``grad``, static shapes throughout.
+
+    ``method``: "gather" as above; "matrix" adds the same bilinear x
+    attention weights into a ``[B, H, Q, S]`` sampling matrix (a scatter of
+    scalars, not of Dh-wide rows) and applies it with one matmul per batch
+    and head (``B * H * Q * S * Dh`` multiply-adds); "auto" takes "matrix"
+    when S is at most ``DENSE_MAX_POSITIONS``. Both give the same values and
+    gradients.
     """
     spatial_shapes = tuple((int(h), int(w)) for h, w in spatial_shapes)
     batch, num_values, num_heads, head_dim = value.shape
@@ -72,6 +91,8 @@ def multi_scale_deformable_attention(
         )
     if attention_weights.shape != sampling_locations.shape[:-1]:
         raise ValueError(f"attention_weights shape {attention_weights.shape}, expected {sampling_locations.shape[:-1]}")
+    if method not in METHODS:
+        raise ValueError(f"method={method!r}; use one of {', '.join(METHODS)}")
 
     # Per-level constants broadcast against [..., L, P]: the levels differ only in
     # size and offset, so one vectorised pass (and one gather) covers them all.
@@ -112,6 +133,21 @@ def multi_scale_deformable_attention(
     weights = jnp.stack(weights, axis=-1).reshape(batch, num_heads, num_queries, -1)
 
     value_bhsd = jnp.transpose(value, (0, 2, 1, 3))
+    if method == "matrix" or (method == "auto" and num_values <= DENSE_MAX_POSITIONS):
+        # Batch and heads stay scatter batch axes (so a heads sharding splits the
+        # scatter without communication); within one, a single flat index per
+        # sample is cheaper for XLA than index vectors.
+        rows = jnp.arange(num_queries, dtype=jnp.int32)[:, None] * num_values
+
+        def head_matrix(head_indices, head_weights):  # [Q, K] -> [Q, S]
+            flat = jnp.zeros((num_queries * num_values,), head_weights.dtype)
+            flat = flat.at[(rows + head_indices).reshape(-1)].add(head_weights.reshape(-1), mode="promise_in_bounds")
+            return flat.reshape(num_queries, num_values)
+
+        matrix = jax.vmap(jax.vmap(head_matrix))(indices, weights)  # [B, H, Q, S]
+        out = jnp.einsum("bhqs,bhsd->bhqd", matrix, value_bhsd.astype(compute_dtype))
+        out = jnp.transpose(out, (0, 2, 1, 3)).reshape(batch, num_queries, num_heads * head_dim)
+        return out.astype(value.dtype)
     flat_indices = indices.reshape(batch, num_heads, -1, 1)
     # Indices are clipped above; promising so skips XLA's own clamping.
     sampled = jnp.take_along_axis(value_bhsd, flat_indices, axis=2, mode="promise_in_bounds")

@@ -9,7 +9,11 @@ import pytest
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from detector.ops import deformable_attention
 from detector.ops.deformable_attention import multi_scale_deformable_attention
+
+# Every property holds for both ways of computing the same sum.
+BOTH_METHODS = pytest.mark.parametrize("method", ["gather", "matrix"])
 
 # Non-square levels of different sizes, one a single pixel.
 SHAPES = ((5, 7), (3, 4), (2, 1), (1, 1))
@@ -76,18 +80,20 @@ def _corner_status(locations, shapes):
     return status
 
 
-def test_matches_loop_reference_inside_on_border_and_outside():
+@BOTH_METHODS
+def test_matches_loop_reference_inside_on_border_and_outside(method):
     value, locations, weights = _inputs(np.random.default_rng(0))
     status = _corner_status(locations, SHAPES)
     assert {(status == s).sum() > 20 for s in ("in", "partial", "out")} == {True}
 
-    got = np.asarray(multi_scale_deformable_attention(value, SHAPES, locations, weights))
+    got = np.asarray(multi_scale_deformable_attention(value, SHAPES, locations, weights, method))
     want = _reference(value, SHAPES, locations, weights)
     assert got.shape == (2, 6, 3 * 5) and got.dtype == np.float32
     np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
 
 
-def test_hand_values_follow_align_corners_false():
+@BOTH_METHODS
+def test_hand_values_follow_align_corners_false(method):
     # A 1x1 map and a 1x2 map [a, b]: pixel centres at x = 0.5 (1x1) and 0.25, 0.75 (1x2).
     shapes = ((1, 1), (1, 2))
     value = np.array([2.0, 10.0, 20.0], np.float32).reshape(1, 3, 1, 1)
@@ -107,7 +113,7 @@ def test_hand_values_follow_align_corners_false():
         weights = np.zeros((1, 1, 1, 2, 1), np.float32)
         locations[0, 0, 0, level, 0] = [x, y]
         weights[0, 0, 0, level, 0] = 1.0
-        got = float(multi_scale_deformable_attention(value, shapes, locations, weights)[0, 0, 0])
+        got = float(multi_scale_deformable_attention(value, shapes, locations, weights, method)[0, 0, 0])
         assert got == pytest.approx(expected, abs=1e-6), (level, x, y)
 
 
@@ -131,14 +137,16 @@ def _grid_sample_reference(value, shapes, locations, weights):
     return out.transpose(1, 2).numpy()
 
 
-def test_matches_torch_grid_sample():
+@BOTH_METHODS
+def test_matches_torch_grid_sample(method):
     pytest.importorskip("torch")
     value, locations, weights = _inputs(np.random.default_rng(1))
-    got = np.asarray(multi_scale_deformable_attention(value, SHAPES, locations, weights))
+    got = np.asarray(multi_scale_deformable_attention(value, SHAPES, locations, weights, method))
     np.testing.assert_allclose(got, _grid_sample_reference(value, SHAPES, locations, weights), rtol=1e-5, atol=1e-5)
 
 
-def test_gradients_match_finite_differences_of_the_reference():
+@BOTH_METHODS
+def test_gradients_match_finite_differences_of_the_reference(method):
     shapes = ((3, 4), (2, 3), (1, 1))
     rng = np.random.default_rng(2)
     value, _, weights = _inputs(rng, batch=1, queries=3, heads=2, points=2, head_dim=2, shapes=shapes)
@@ -168,7 +176,7 @@ def test_gradients_match_finite_differences_of_the_reference():
 
     args = [np.asarray(value, np.float64), locations, np.asarray(weights, np.float64)]
     with jax.enable_x64(True):
-        loss = lambda v, loc, w: jnp.sum(multi_scale_deformable_attention(v, shapes, loc, w) * cotangent)
+        loss = lambda v, loc, w: jnp.sum(multi_scale_deformable_attention(v, shapes, loc, w, method) * cotangent)
         grads = jax.jit(jax.grad(loss, argnums=(0, 1, 2)))(*args)
         grads = [np.asarray(g) for g in grads]
     assert all(g.dtype == np.float64 for g in grads)
@@ -182,23 +190,25 @@ def test_gradients_match_finite_differences_of_the_reference():
     assert np.all(loc_grad[status == "partial"] > 0)
 
 
-def test_bf16_value_is_accumulated_in_float32():
+@BOTH_METHODS
+def test_bf16_value_is_accumulated_in_float32(method):
     value, locations, weights = _inputs(np.random.default_rng(3))
     value_bf16 = jnp.asarray(value, jnp.bfloat16)
-    got = multi_scale_deformable_attention(value_bf16, SHAPES, locations, weights)
+    got = multi_scale_deformable_attention(value_bf16, SHAPES, locations, weights, method)
     assert got.dtype == jnp.bfloat16
     got = np.asarray(got, np.float32)
     assert np.all(np.isfinite(got))
-    full = np.asarray(multi_scale_deformable_attention(value, SHAPES, locations, weights))
+    full = np.asarray(multi_scale_deformable_attention(value, SHAPES, locations, weights, method))
     np.testing.assert_allclose(got, full, rtol=2e-2, atol=2e-2)
     # Given the rounded values, only the final cast to bf16 may differ (half a bf16 step).
     rounded = _reference(np.asarray(value_bf16, np.float32), SHAPES, locations, weights)
     np.testing.assert_allclose(got, rounded, rtol=2**-8, atol=1e-6)
 
 
-def test_jit_and_vmap_and_cost_analysis():
+@BOTH_METHODS
+def test_jit_and_vmap_and_cost_analysis(method):
     value, locations, weights = _inputs(np.random.default_rng(4))
-    op = functools.partial(multi_scale_deformable_attention, spatial_shapes=SHAPES)
+    op = functools.partial(multi_scale_deformable_attention, spatial_shapes=SHAPES, method=method)
     eager = np.asarray(op(value, sampling_locations=locations, attention_weights=weights))
 
     # A leading axis over the same inputs, shifted per slice so that slices differ.
@@ -209,7 +219,9 @@ def test_jit_and_vmap_and_cost_analysis():
     np.testing.assert_allclose(np.asarray(batched[1]), np.asarray(second), rtol=1e-6, atol=1e-6)
 
     compiled = (
-        jax.jit(multi_scale_deformable_attention, static_argnums=1).lower(value, SHAPES, locations, weights).compile()
+        jax.jit(multi_scale_deformable_attention, static_argnums=(1, 4))
+        .lower(value, SHAPES, locations, weights, method)
+        .compile()
     )
     cost = compiled.cost_analysis()
     cost = cost[0] if isinstance(cost, list) else cost
@@ -217,12 +229,13 @@ def test_jit_and_vmap_and_cost_analysis():
     assert "custom-call" not in compiled.as_text()  # plain XLA ops, no host callbacks
 
 
-def test_heads_sharding_splits_the_gather_without_communication():
+@BOTH_METHODS
+def test_heads_sharding_splits_the_gather_without_communication(method):
     mesh = jax.make_mesh((4,), ("model",))
     value, locations, weights = _inputs(np.random.default_rng(5), heads=4)
     heads = lambda rank: NamedSharding(mesh, P(*([None] * 2 + ["model"] + [None] * (rank - 3))))
     fn = jax.jit(
-        multi_scale_deformable_attention,
+        functools.partial(multi_scale_deformable_attention, method=method),
         static_argnums=1,
         in_shardings=(heads(4), heads(6), heads(5)),
         out_shardings=NamedSharding(mesh, P(None, None, "model")),
@@ -233,3 +246,15 @@ def test_heads_sharding_splits_the_gather_without_communication():
         assert collective not in hlo, collective
     got = compiled(value, locations, weights)
     np.testing.assert_allclose(np.asarray(got), _reference(value, SHAPES, locations, weights), rtol=1e-5, atol=1e-5)
+
+
+def test_auto_uses_the_sampling_matrix_for_small_maps_only():
+    value, locations, weights = _inputs(np.random.default_rng(6))
+    lowered = lambda method: jax.jit(
+        functools.partial(multi_scale_deformable_attention, method=method), static_argnums=1
+    ).lower(value, SHAPES, locations, weights)
+    assert sum(h * w for h, w in SHAPES) <= deformable_attention.DENSE_MAX_POSITIONS
+    assert lowered("auto").as_text() == lowered("matrix").as_text()
+    assert lowered("auto").as_text() != lowered("gather").as_text()
+    with pytest.raises(ValueError, match="method='nearest'"):
+        multi_scale_deformable_attention(value, SHAPES, locations, weights, "nearest")
