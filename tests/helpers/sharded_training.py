@@ -13,7 +13,6 @@ import input_pipeline
 import sharding
 from configs import default
 from detector.models import families
-from detector.models.retinanet import create_model
 from detector.training import optim, steps
 from detector.training.train_state import TrainState, describe_param_shardings, state_shardings
 
@@ -24,7 +23,7 @@ def abstract_state_on_mesh(config, mesh) -> TrainState:
     """The trainer's train state for `config` as ShapeDtypeStructs carrying `mesh`'s shardings (restore target)."""
     rules = sharding.logical_rules(config.sharding)
     info = input_pipeline.get_dataset_info(config)
-    model = create_model(config.model, info.num_classes, families.num_anchors_per_location(config))
+    model = families.create_model(config, info.num_classes)
     tx, _ = optim.create_optimizer(config.optimizer, config.total_steps, model_config=config.model)
     with sharding.use_mesh(mesh, rules):
         abstract_state, _ = state_shardings(
@@ -43,7 +42,7 @@ def train_on_mesh(config, mesh_shape, initial_params, batches, num_classes: int)
     devices = jax.devices()[: math.prod(mesh_shape)]
     mesh = sharding.create_mesh(dict(zip(sharding.MESH_AXES, mesh_shape)), devices=devices)
     rules = sharding.logical_rules(config.sharding)
-    model = create_model(config.model, num_classes, families.num_anchors_per_location(config))
+    model = families.create_model(config, num_classes)
     tx, schedule = optim.create_optimizer(config.optimizer, config.total_steps, model_config=config.model)
     with sharding.use_mesh(mesh, rules):
         compiled, _, shardings = steps.compile_train_step(

@@ -290,3 +290,44 @@ def test_plan_cli_rejects_bad_input_in_one_line(flag, message):
     assert result.returncode != 0
     errors = [line for line in result.stderr.splitlines() if line.startswith("error:")]
     assert len(errors) == 1 and message in errors[0], result.stderr[-2000:]
+
+
+def _dino_forward_all_reduces(encoder_layers: int, decoder_layers: int, mesh_shape=(2, 1, 4)):
+    """All-reduces (kind, executions, group size) in the compiled DINO forward pass on `mesh_shape`."""
+    from configs import dino_tiny
+
+    config = dino_tiny.get_config()
+    config.model.dino.encoder_layers = encoder_layers
+    config.model.dino.decoder_layers = decoder_layers
+    config.model.dino.num_heads = 8
+    config.global_batch_size = 2
+    model = families.create_model(config, NUM_CLASSES)
+    mesh = sharding.create_mesh(dict(zip(sharding.MESH_AXES, mesh_shape)), jax.devices()[: math.prod(mesh_shape)])
+    rules = sharding.logical_rules(config.sharding)
+    images = jax.ShapeDtypeStruct(
+        (config.global_batch_size, *config.input.image_size, 3),
+        jnp.float32,
+        sharding=sharding.batch_sharding(mesh, sharding.batch_axes(mesh)),
+    )
+    with sharding.use_mesh(mesh, rules):
+        abstract_state, _ = state_shardings(model, optax.sgd(0.1), tuple(config.input.image_size), mesh, rules)
+        forward = jax.jit(lambda params, x: model.apply({"params": params}, x))
+        compiled = forward.lower(abstract_state.params, images).compile()
+    specs = {
+        k: str(v.sharding.spec) for k, v in flax.traverse_util.flatten_dict(abstract_state.params, sep="/").items()
+    }
+    return [c for c in parse_collectives(compiled.as_text()) if c.kind == "all-reduce"], specs
+
+
+def test_dino_layers_need_the_megatron_count_of_all_reduces():
+    """The DINO forward pass on (data 2, model 4) has exactly 2 all-reduces over `model` per encoder layer
+    (deformable self-attention, FFN) and 3 per decoder layer (self-attention, deformable cross-attention,
+    FFN), and no other: heads and hidden units split, each output projection summed once."""
+    for encoder_layers, decoder_layers in ((1, 1), (2, 1), (1, 2), (3, 2)):
+        all_reduces, specs = _dino_forward_all_reduces(encoder_layers, decoder_layers)
+        count = sum(c.executions for c in all_reduces)
+        assert count == 2 * encoder_layers + 3 * decoder_layers, (encoder_layers, decoder_layers, all_reduces)
+        assert all(c.group_size == 4 for c in all_reduces), all_reduces
+    for suffix in ("self_attention/value/kernel", "cross_attention/sampling_offsets/kernel", "ffn/fc1/kernel"):
+        spec = next(v for k, v in specs.items() if k.endswith(suffix))
+        assert "'model'" in spec, (suffix, spec)

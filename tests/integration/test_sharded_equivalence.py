@@ -1,4 +1,4 @@
-"""Sharding changes placement, never results: ViT and spatially partitioned detectors.
+"""Sharding changes placement, never results: ViT, DINO and spatially partitioned detectors.
 
 Three SGD steps from the same parameters on the same batches, on one device
 and on a mesh, through the trainer's compiled step.
@@ -12,9 +12,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from configs import vitdet_tiny
+from configs import dino_tiny, vitdet_tiny
 from detector.models import families
-from detector.models.retinanet import create_model
 from tests.helpers.sharded_training import NUM_CLASSES, assert_same_training, spatial_config, train_on_mesh
 
 pytestmark = pytest.mark.slow
@@ -50,7 +49,7 @@ def check_sharded_training(config, mesh_shape, expected_axes):
     config.optimizer.learning_rate = 0.05
     config.optimizer.warmup_steps = 0
     config.total_steps = 3
-    model = create_model(config.model, NUM_CLASSES, families.num_anchors_per_location(config))
+    model = families.create_model(config, NUM_CLASSES)
     initial = jax.device_get(
         flax.linen.meta.unbox(
             jax.jit(lambda r: model.init(r, jnp.zeros((1, *config.input.image_size, 3))))(jax.random.key(0))["params"]
@@ -74,3 +73,10 @@ def test_spatial_partitioning_trains_identically():
     config = spatial_config(128)
     config.global_batch_size = 4
     check_sharded_training(config, (2, 1, 2), expected_axes=())
+
+
+def test_dino_trains_identically_on_a_2x2x2_mesh():
+    """Matching, denoising and deformable attention with heads, FFN and widths split: same as one device."""
+    config = dino_tiny.get_config()
+    config.global_batch_size = 4
+    check_sharded_training(config, (2, 2, 2), expected_axes=("fsdp", "model"))
