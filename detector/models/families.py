@@ -198,6 +198,12 @@ def _dino_objective(config, model: nn.Module, num_classes: int) -> Objective:
         giou_weight=weights.match_giou_weight,
         **focal,
     )
+    max_detections = config.postprocess.max_detections
+    if max_detections > dino.num_queries * num_classes:
+        raise ConfigError(
+            f"postprocess.max_detections={max_detections} exceeds model.dino.num_queries x classes = "
+            f"{dino.num_queries} x {num_classes}; lower it or use more queries"
+        )
     if not isinstance(groups, int) or groups < 0:
         raise ConfigError(f"model.dino.denoising_groups={groups!r}; use a whole number >= 0 (0: no denoising)")
 

@@ -41,3 +41,21 @@ def as_flags(data_dir, **overrides) -> list[str]:
     values = {"dataset.data_dir": str(data_dir), **OVERRIDES, **overrides}
     # No spaces inside tuples, so the flags survive a shell's word splitting too.
     return [f"--config.{key}={str(value).replace(' ', '')}" for key, value in values.items()]
+
+
+# The tiny DINO at the same 64 px: 85 pyramid positions, so 32 queries.
+DINO_OVERRIDES = {
+    "model.name": "dino",
+    "model.dino.hidden_dim": 16,
+    "model.dino.num_heads": 2,
+    "model.dino.ffn_dim": 32,
+    "model.dino.encoder_layers": 1,
+    "model.dino.decoder_layers": 2,
+    "model.dino.num_queries": 32,
+    "model.dino.denoising_groups": 2,
+}
+
+
+def make_dino_config(data_dir, **overrides):
+    """`make_config` with the DINO family instead of the RetinaNet."""
+    return make_config(data_dir, **{**DINO_OVERRIDES, **overrides})
