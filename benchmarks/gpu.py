@@ -6,12 +6,14 @@
   python -m benchmarks.gpu --smoke               # the same code on the CPU with tiny models (compiling
                                                  # 6 small steps: ~3 minutes on 2 cores): a check, not a number
 
-Two models, both mixed precision (model.dtype=bfloat16, float32 parameters)
+Three models, all mixed precision (model.dtype=bfloat16, float32 parameters)
 on one device (mesh data=1, fsdp=1, model=1), with the optimizer of their
 shipped recipe:
 
   * RetinaNet ResNet-50-FPN (configs/retinanet_r50_coco.py) at 800x800 px;
-  * ViTDet-B RetinaNet (configs/vitdet_b_coco.py) at 1024x1024 px.
+  * ViTDet-B RetinaNet (configs/vitdet_b_coco.py) at 1024x1024 px;
+  * DINO-4scale ResNet-50 (configs/dino_r50_coco.py) at 800x800 px: 900
+    queries, 2 denoising groups of 100 boxes, matching on the device.
 
 For each, the per-device batch starts at --start_batch and doubles while the
 compiled step fits: XLA's memory accounting of the step (per-device total)
@@ -85,17 +87,21 @@ def peak_flops(device_kind: str) -> float | None:
 
 def _model_configs(smoke: bool) -> list[tuple[str, Any]]:
     """(name, config) of the models measured; each config's global batch is set per try."""
-    from configs import default, retinanet_r50_coco, vitdet_b_coco, vitdet_tiny
+    from configs import default, dino_r50_coco, dino_tiny, retinanet_r50_coco, vitdet_b_coco, vitdet_tiny
 
     if smoke:
+        small_dino = dino_tiny.get_config()
+        small_dino.model.dino.num_queries = 32  # 64 px gives 85 encoder proposals
         models = [
             ("RetinaNet tiny ResNet (default.py)", default.get_config(), SMOKE_IMAGE_SIZE),
             ("ViTDet tiny (vitdet_tiny.py)", vitdet_tiny.get_config(), SMOKE_IMAGE_SIZE),
+            ("DINO tiny (dino_tiny.py)", small_dino, SMOKE_IMAGE_SIZE),
         ]
     else:
         models = [
             ("RetinaNet R50-FPN", retinanet_r50_coco.get_config(), 800),
             ("ViTDet-B", vitdet_b_coco.get_config(), 1024),
+            ("DINO-4scale R50", dino_r50_coco.get_config(), 800),
         ]
     named = []
     for name, config, image_size in models:
