@@ -252,7 +252,14 @@ def test_xla_kernel_gradient_with_input_and_output_channels_split_on_a_2x2x2_mes
 
 
 # ViT/16 trunk sizes without classifier (timm): B 85.8M, L 303.3M, H 630.8M.
-VIT_BACKBONE_PARAMS = {"vitdet_b_coco.py": 85.8e6, "vitdet_l_coco.py": 303.3e6, "vitdet_h_coco.py": 630.8e6}
+VIT_BACKBONE_PARAMS = {
+    "vitdet_b_coco.py": 85.8e6,
+    "vitdet_l_coco.py": 303.3e6,
+    "vitdet_h_coco.py": 630.8e6,
+    "dino_vitdet_l_coco.py": 303.3e6,
+}
+# Whole detectors with a published size: the DINO paper gives 47M for DINO-4scale R50 (80 classes).
+DETECTOR_PARAMS = {"dino_r50_coco.py": 47.0e6}
 
 
 @pytest.mark.parametrize("path", CONFIG_FILES, ids=lambda p: p.name)
@@ -260,12 +267,21 @@ def test_config_model_builds_at_its_input_size(path):
     """Shapes only (no compile, no allocation): every recipe's detector is well formed."""
     config = load_config_file(path)
     num_classes = 80 if config.dataset.name == "coco/2017" else 4
-    model = create_model(config.model, num_classes, families.num_anchors_per_location(config))
+    model = families.create_model(config, num_classes)
     images = jax.ShapeDtypeStruct((1, *config.input.image_size, 3), jnp.float32)
     variables = jax.eval_shape(lambda x: model.init(jax.random.key(0), x), images)
-    logits, deltas = jax.eval_shape(lambda v, x: model.apply(v, x), variables, images)
-    num_anchors = families.anchors_for_config(config).shape[0]
-    assert logits.shape == (1, num_anchors, num_classes) and deltas.shape == (1, num_anchors, 4)
+    outputs = jax.eval_shape(lambda v, x: model.apply(v, x), variables, images)
+    if config.model.name == "dino":
+        dino = config.model.dino
+        assert outputs["logits"].shape == (dino.decoder_layers, 1, dino.num_queries, num_classes)
+        assert outputs["boxes"].shape == (dino.decoder_layers, 1, dino.num_queries, 4)
+    else:
+        logits, deltas = outputs
+        num_anchors = families.anchors_for_config(config).shape[0]
+        assert logits.shape == (1, num_anchors, num_classes) and deltas.shape == (1, num_anchors, 4)
     if path.name in VIT_BACKBONE_PARAMS:
         backbone = count_params(nn.meta.unbox(variables["params"]["backbone"]))
         assert backbone == pytest.approx(VIT_BACKBONE_PARAMS[path.name], rel=0.01), backbone
+    if path.name in DETECTOR_PARAMS:
+        total = count_params(nn.meta.unbox(variables["params"]))
+        assert total == pytest.approx(DETECTOR_PARAMS[path.name], rel=0.01), total
