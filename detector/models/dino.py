@@ -107,7 +107,8 @@ def encoder_proposals(spatial_shapes: list[tuple[int, int]]) -> tuple[np.ndarray
         boxes.append(np.concatenate([centres, sizes], axis=-1))
     boxes = np.concatenate(boxes)
     valid = np.all((boxes > 0.01) & (boxes < 0.99), axis=-1)
-    logits = np.log(boxes / (1.0 - boxes))
+    clipped = np.clip(boxes, 0.01, 0.99)  # invalid proposals (sides of 1 and more) get 0 below
+    logits = np.log(clipped / (1.0 - clipped))
     return np.where(valid[:, None], logits, 0.0).astype(np.float32), valid
 
 
@@ -406,7 +407,9 @@ class Dino(nn.Module):
             embed,
             dtype=self.dtype,
             param_dtype=jnp.float32,
-            embedding_init=nn.with_logical_partitioning(nn.initializers.normal(1.0), (None, "norm")),
+            # Replicated (C x E is small): an embed-split table would make the
+            # lookup's gradient reshard every noised query's row.
+            embedding_init=nn.with_logical_partitioning(nn.initializers.normal(1.0), (None, None)),
             name="denoising_label_embedding",
         )
         mask = None
@@ -414,7 +417,8 @@ class Dino(nn.Module):
         if denoising is not None:
             num_denoising = denoising["labels"].shape[1]
             labels = jnp.clip(denoising["labels"], 0, self.num_classes - 1)
-            content = jnp.concatenate([label_embedding(labels), content], axis=1)
+            noised_content = nn.with_logical_constraint(label_embedding(labels), TOKEN_AXES)
+            content = jnp.concatenate([noised_content, content], axis=1)
             reference = jnp.concatenate([denoising["boxes_cxcywh"].astype(jnp.float32), reference], axis=1)
             mask = denoising["attention_mask"]
         elif self.is_initializing():

@@ -168,3 +168,70 @@ def test_detect_random_inputs_are_sorted_and_static():
         assert np.all(np.diff(s) <= 0) and np.all(s > 0.05)
     classes = np.asarray(out["classes"])
     assert classes.min() >= 0 and classes.max() < num_classes
+
+
+def _detect_from_queries_reference(logits, boxes_cxcywh, height, width, max_detections, score_threshold):
+    """Per image: sigmoid over every (query, class) pair, the max_detections best (query-major flat index
+    q * C + c), their query's box in yxyx pixels clipped to the image, valid above the threshold."""
+    logits = np.asarray(logits, np.float64)
+    batch, num_queries, num_classes = logits.shape
+    out = {"boxes": [], "scores": [], "classes": [], "valid": []}
+    for b in range(batch):
+        scores = 1 / (1 + np.exp(-logits[b].reshape(-1)))
+        best = np.argsort(-scores, kind="stable")[:max_detections]
+        cx, cy, w, h = np.asarray(boxes_cxcywh, np.float64)[b, best // num_classes].T
+        yxyx = np.stack([cy - h / 2, cx - w / 2, cy + h / 2, cx + w / 2], -1) * [height, width, height, width]
+        out["boxes"].append(np.clip(yxyx, 0, [height, width, height, width]))
+        out["scores"].append(scores[best])
+        out["classes"].append(best % num_classes)
+        out["valid"].append(scores[best] > score_threshold)
+    return {k: np.stack(v) for k, v in out.items()}
+
+
+_detect_from_queries = jax.jit(
+    postprocess.detect_from_queries, static_argnames=("image_height", "image_width", "max_detections")
+)
+
+
+@pytest.mark.parametrize("max_detections", [7, 5 * 3])  # some, and all N * C pairs
+def test_detect_from_queries_matches_numpy(max_detections):
+    """Random logits and boxes (some past the image's edges) on a non-square 48 x 80 input."""
+    rng = np.random.default_rng(7)
+    num_queries, num_classes, height, width = 5, 3, 48, 80
+    logits = rng.normal(0.0, 2.0, (2, num_queries, num_classes)).astype(np.float32)
+    centres = rng.uniform(0.0, 1.0, (2, num_queries, 2))
+    sizes = rng.uniform(0.05, 0.9, (2, num_queries, 2))
+    boxes = np.concatenate([centres, sizes], -1).astype(np.float32)
+    out = _detect_from_queries(
+        logits, boxes, image_height=height, image_width=width, max_detections=max_detections, score_threshold=0.6
+    )
+    want = _detect_from_queries_reference(logits, boxes, height, width, max_detections, 0.6)
+    assert out["boxes"].shape == (2, max_detections, 4) and out["boxes"].dtype == jnp.float32
+    assert out["scores"].dtype == jnp.float32 and out["classes"].dtype == jnp.int32 and out["valid"].dtype == jnp.bool_
+    np.testing.assert_allclose(out["scores"], want["scores"], rtol=1e-6)
+    np.testing.assert_array_equal(out["classes"], want["classes"])
+    np.testing.assert_allclose(out["boxes"], want["boxes"], rtol=1e-5, atol=1e-4)
+    np.testing.assert_array_equal(out["valid"], want["valid"])
+    assert np.all(np.diff(np.asarray(out["scores"]), axis=-1) <= 0)
+    # The case exercises what it claims: clipping on both axes, invalid slots, repeated queries.
+    assert (want["boxes"] == 0).any()
+    assert (want["boxes"][..., 2] == height).any() and (want["boxes"][..., 3] == width).any()
+    assert want["valid"].any() and not want["valid"].all()
+    assert max_detections < num_queries * num_classes or len(np.unique(want["classes"][0])) == num_classes
+
+
+def test_detect_from_queries_one_query_can_give_several_classes_and_threshold_is_strict():
+    """Query 1 scores 0.9 for class 2 and 0.8 for class 0: two detections with the same box. A score equal
+    to the threshold (logit 0 -> 0.5) is invalid."""
+    logits = np.full((1, 3, 4), LOW, np.float32)
+    logits[0, 1, 2] = _logit(0.9)
+    logits[0, 1, 0] = _logit(0.8)
+    logits[0, 2, 3] = 0.0
+    boxes = np.array([[[0.5, 0.5, 0.2, 0.2], [0.25, 0.5, 0.5, 0.25], [0.5, 0.5, 1.0, 1.0]]], np.float32)
+    out = _detect_from_queries(logits, boxes, image_height=40, image_width=100, max_detections=4, score_threshold=0.5)
+    np.testing.assert_allclose(out["scores"][0, :3], [0.9, 0.8, 0.5], rtol=1e-6)
+    np.testing.assert_array_equal(out["classes"][0, :3], [2, 0, 3])
+    np.testing.assert_array_equal(out["valid"][0], [True, True, False, False])
+    # cx 0.25, cy 0.5, w 0.5, h 0.25 of 40 x 100 -> y 15..25, x 0..50.
+    np.testing.assert_allclose(out["boxes"][0, :2], [[15.0, 0.0, 25.0, 50.0]] * 2, atol=1e-4)
+    np.testing.assert_allclose(out["boxes"][0, 2], [0.0, 0.0, 40.0, 100.0], atol=1e-4)

@@ -1,0 +1,220 @@
+"""Detector families through `Objective`: DINO's loss (masking, normalisation, rng), config errors, and
+RetinaNet's objective behind the same interface."""
+
+from __future__ import annotations
+
+import types
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from configs import default, dino_tiny
+from detector.errors import ConfigError
+from detector.models import families
+from input_pipeline import batch as batch_lib
+
+NUM_CLASSES = 4
+IMAGE = 64
+MAX_BOXES = 4
+BOXES = np.array(  # yxyx pixels of a 64x64 input
+    [
+        [[8, 10, 30, 40], [20, 30, 50, 60], [5, 5, 20, 25], [0, 0, 0, 0]],
+        [[30, 2, 60, 20], [10, 40, 25, 62], [0] * 4, [0] * 4],
+    ],
+    np.float32,
+)
+BOXES_MASK = np.array([[True, True, True, False], [True, True, False, False]])
+LABELS = np.where(BOXES_MASK, np.array([[0, 3, 1, 0], [2, 2, 0, 0]]), -1).astype(np.int32)
+
+
+def make_batch(seed=0, boxes=BOXES, boxes_mask=BOXES_MASK, labels=LABELS, example_mask=(True, True)):
+    """A batch as the input pipeline makes it (input_pipeline/batch.py), random images."""
+    examples = [batch_lib.empty_example((IMAGE, IMAGE), MAX_BOXES) for _ in range(2)]
+    batch = {key: np.stack([e[key] for e in examples]) for key in batch_lib.KEYS}
+    batch["image"] = np.random.default_rng(seed).normal(size=batch["image"].shape).astype(np.float32)
+    batch["boxes"] = np.where(boxes_mask[..., None], boxes, 0.0).astype(np.float32)
+    batch["labels"] = np.where(boxes_mask, labels, -1).astype(np.int32)
+    batch["boxes_mask"] = np.asarray(boxes_mask)
+    batch["example_mask"] = np.asarray(example_mask)
+    for key, spec in batch_lib.batch_spec(2, (IMAGE, IMAGE), MAX_BOXES).items():
+        assert batch[key].shape == spec.shape and batch[key].dtype == spec.dtype, key
+    return batch
+
+
+def dino_config():
+    config = dino_tiny.get_config()
+    config.input.image_size = (IMAGE, IMAGE)
+    config.input.max_boxes = MAX_BOXES
+    config.model.dino.num_queries = 32
+    config.postprocess.max_detections = 20
+    return config
+
+
+@pytest.fixture(scope="module")
+def dino():
+    config = dino_config()
+    model = families.create_model(config, NUM_CLASSES)
+    params = nn.meta.unbox(jax.jit(model.init)(jax.random.key(0), jnp.zeros((1, IMAGE, IMAGE, 3)))["params"])
+    objective = families.objective(config, model, NUM_CLASSES)
+    assert objective.outputs_per_image == "32 queries"
+    return types.SimpleNamespace(
+        config=config,
+        params=params,
+        objective=objective,
+        loss=jax.jit(objective.loss),
+        loss_with=jax.jit(lambda p, b, r, n: objective.loss(p, b, r, normalizer=n)),
+    )
+
+
+DINO_TERMS = {"cls_loss", "box_loss", "encoder_loss", "denoising_loss", "num_positives"}
+
+
+def scalars(loss, terms):
+    return float(loss), {k: float(v) for k, v in terms.items()}
+
+
+def test_dino_loss_is_finite_positive_and_the_sum_of_its_terms(dino):
+    loss, terms = scalars(*dino.loss(dino.params, make_batch(), jax.random.key(1)))
+    assert set(terms) == DINO_TERMS
+    assert np.isfinite(loss) and loss > 0
+    assert all(np.isfinite(v) for v in terms.values())
+    assert terms["num_positives"] == BOXES_MASK.sum() == 5
+    np.testing.assert_allclose(loss, terms["cls_loss"] + terms["box_loss"], rtol=1e-6)
+    assert terms["box_loss"] > 0 and terms["encoder_loss"] > 0 and terms["denoising_loss"] > 0
+    # The encoder and denoising parts are inside cls_loss + box_loss, and do not make all of it.
+    assert terms["encoder_loss"] + terms["denoising_loss"] < loss
+
+
+def test_images_without_boxes_and_padded_examples_give_a_finite_loss(dino):
+    """Image 0 has no boxes, image 1 is padding (example_mask False): every term is finite, no box is
+    counted, and the only loss left is "no object" on image 0's queries."""
+    batch = make_batch(boxes_mask=np.zeros_like(BOXES_MASK), example_mask=(True, False))
+    loss, terms = scalars(*dino.loss(dino.params, batch, jax.random.key(1)))
+    assert np.isfinite(loss) and all(np.isfinite(v) for v in terms.values())
+    assert terms["num_positives"] == 0 and terms["box_loss"] == 0 and terms["denoising_loss"] == 0
+    assert loss > 0
+    # Padding boxes are all-zero: their GIoU and L1 terms must not put NaNs into the gradient either.
+    grads = jax.jit(jax.grad(lambda p: dino.objective.loss(p, batch, jax.random.key(1))[0]))(dino.params)
+    assert all(np.isfinite(np.asarray(g)).all() for g in jax.tree.leaves(grads))
+
+    # All examples padded: nothing to learn from, and still finite (no 0 / 0).
+    loss, terms = scalars(*dino.loss(dino.params, make_batch(example_mask=(False, False)), jax.random.key(1)))
+    assert loss == 0.0 and terms["num_positives"] == 0
+    assert all(np.isfinite(v) for v in terms.values())
+
+
+def test_a_padded_example_does_not_change_the_loss(dino):
+    """Example 1 masked out: its image, boxes and labels may be anything."""
+    rng = jax.random.key(1)
+    first = scalars(*dino.loss(dino.params, make_batch(seed=0, example_mask=(True, False)), rng))
+    other_boxes = BOXES.copy()
+    other_boxes[1] = [[1, 1, 60, 60], [3, 30, 9, 40], [40, 40, 50, 55], [20, 0, 30, 10]]
+    other_labels = LABELS.copy()
+    other_labels[1] = [3, 1, 0, 2]
+    other_mask = BOXES_MASK.copy()
+    other_mask[1] = True
+    batch = make_batch(
+        seed=7, boxes=other_boxes, boxes_mask=other_mask, labels=other_labels, example_mask=(True, False)
+    )
+    batch["image"][0] = make_batch(seed=0)["image"][0]  # example 0 unchanged
+    second = scalars(*dino.loss(dino.params, batch, rng))
+    assert first[1]["num_positives"] == 3
+    np.testing.assert_allclose(second[0], first[0], rtol=1e-6)
+    for key in DINO_TERMS:
+        np.testing.assert_allclose(second[1][key], first[1][key], rtol=1e-6, atol=1e-7, err_msg=key)
+    # ... whereas the same change in a real example does change it.
+    batch["example_mask"][:] = True
+    assert abs(float(dino.loss(dino.params, batch, rng)[0]) - first[0]) > 1e-3
+
+
+def test_normalizer_one_gives_plain_sums(dino):
+    """normalizer=1: every term is the normalised term times the number of boxes (same rng)."""
+    batch, rng = make_batch(), jax.random.key(2)
+    loss, terms = scalars(*dino.loss(dino.params, batch, rng))
+    loss_sum, terms_sum = scalars(*dino.loss_with(dino.params, batch, rng, jnp.float32(1.0)))
+    num_boxes = terms["num_positives"]
+    assert num_boxes == terms_sum["num_positives"] == 5
+    np.testing.assert_allclose(loss_sum, loss * num_boxes, rtol=1e-5)
+    for key in ("cls_loss", "box_loss", "encoder_loss", "denoising_loss"):
+        np.testing.assert_allclose(terms_sum[key], terms[key] * num_boxes, rtol=1e-5, err_msg=key)
+    # Any other normaliser divides the same sums.
+    loss_other, _ = scalars(*dino.loss_with(dino.params, batch, rng, jnp.float32(8.0)))
+    np.testing.assert_allclose(loss_other, loss_sum / 8.0, rtol=1e-5)
+
+
+def test_loss_is_deterministic_for_an_rng_and_only_its_denoising_part_depends_on_it(dino):
+    batch = make_batch()
+    a = scalars(*dino.loss(dino.params, batch, jax.random.key(3)))
+    b = scalars(*dino.loss(dino.params, batch, jax.random.key(3)))
+    assert a == b
+    c = scalars(*dino.loss(dino.params, batch, jax.random.key(4)))
+    assert abs(c[1]["denoising_loss"] - a[1]["denoising_loss"]) > 1e-4
+    # The matching queries never see the denoising ones, so the rest of the loss is the same.
+    np.testing.assert_allclose(c[0] - c[1]["denoising_loss"], a[0] - a[1]["denoising_loss"], rtol=1e-5)
+    np.testing.assert_allclose(c[1]["encoder_loss"], a[1]["encoder_loss"], rtol=1e-5)
+
+
+def test_dino_detect_shapes_and_boxes_in_the_image(dino):
+    images = jnp.asarray(make_batch()["image"])
+    out = jax.jit(dino.objective.detect)(dino.params, images)
+    d = dino.config.postprocess.max_detections
+    want = {"boxes": ((2, d, 4), jnp.float32), "scores": ((2, d), jnp.float32)}
+    want |= {"classes": ((2, d), jnp.int32), "valid": ((2, d), jnp.bool_)}
+    assert {k: (v.shape, v.dtype) for k, v in out.items()} == want
+    boxes = np.asarray(out["boxes"])
+    assert boxes.min() >= 0 and boxes.max() <= IMAGE
+    assert np.all(boxes[..., 2:] >= boxes[..., :2])
+    assert np.all(np.diff(np.asarray(out["scores"]), axis=-1) <= 0)
+    classes = np.asarray(out["classes"])
+    assert classes.min() >= 0 and classes.max() < NUM_CLASSES
+
+
+def test_normalized_cxcywh():
+    """yxyx pixels of a 64 (high) x 128 (wide) input -> fractions (cx, cy, w, h)."""
+    got = families.normalized_cxcywh(jnp.array([[10.0, 20.0, 30.0, 100.0]]), (64, 128))
+    np.testing.assert_allclose(got, [[60 / 128, 20 / 64, 80 / 128, 20 / 64]], rtol=1e-6)
+
+
+def test_unknown_model_name_is_a_config_error():
+    config = dino_config()
+    config.model.name = "detr"
+    with pytest.raises(ConfigError, match=r"model\.name"):
+        families.create_model(config, NUM_CLASSES)
+    with pytest.raises(ConfigError, match=r"model\.name"):
+        families.objective(config, None, NUM_CLASSES)
+
+
+def test_more_queries_than_proposals_is_a_config_error():
+    # 64 px on levels 3..6: 8x8 + 4x4 + 2x2 + 1x1 = 85 positions, all of whose proposals are valid.
+    config = dino_config()
+    config.model.dino.num_queries = 85
+    families.create_model(config, NUM_CLASSES)
+    config.model.dino.num_queries = 86
+    with pytest.raises(ConfigError, match=r"model\.dino\.num_queries"):
+        families.create_model(config, NUM_CLASSES)
+
+
+def test_retinanet_objective_still_works():
+    config = default.get_config()
+    assert config.model.name == "retinanet"
+    config.input.image_size = (IMAGE, IMAGE)
+    config.input.max_boxes = MAX_BOXES
+    config.postprocess.max_detections = 10
+    config.postprocess.pre_nms_top_k = 50
+    model = families.create_model(config, NUM_CLASSES)
+    objective = families.objective(config, model, NUM_CLASSES)
+    params = nn.meta.unbox(jax.jit(model.init)(jax.random.key(0), jnp.zeros((1, IMAGE, IMAGE, 3)))["params"])
+    batch = make_batch()
+    loss, terms = jax.jit(objective.loss)(params, batch, jax.random.key(0))
+    assert np.isfinite(float(loss)) and float(loss) > 0
+    assert {"cls_loss", "box_loss", "num_positives"} <= set(terms)
+    assert all(np.isfinite(np.asarray(v)).all() for v in terms.values())
+    assert float(terms["num_positives"]) > 0
+    out = jax.jit(objective.detect)(params, jnp.asarray(batch["image"]))
+    want = {"boxes": ((2, 10, 4), jnp.float32), "scores": ((2, 10), jnp.float32)}
+    want |= {"classes": ((2, 10), jnp.int32), "valid": ((2, 10), jnp.bool_)}
+    assert {k: (v.shape, v.dtype) for k, v in out.items()} == want
+    assert objective.outputs_per_image.endswith("anchors")
