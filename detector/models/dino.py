@@ -127,6 +127,19 @@ def _grid_offsets_init(num_heads: int, num_levels: int, num_points: int):
     return init
 
 
+def _merge_heads(heads_output: jax.Array, embed: int, dtype: Any) -> jax.Array:
+    """`[B, Q, H, Dh]` -> `[B, Q, E]` by the attention's output projection (a submodule named "output").
+
+    The kernel is split by input heads, so with heads on `model` this is the
+    attention's one all-reduce.
+    """
+    heads_output = nn.with_logical_constraint(heads_output, HEAD_AXES)
+    out = Projection((embed,), ("heads", "kv", "embed"), ("norm",), contract=2, dtype=dtype, name="output")(
+        heads_output
+    )
+    return nn.with_logical_constraint(out, TOKEN_AXES)
+
+
 class MultiScaleDeformableAttention(nn.Module):
     """Deformable attention of queries over the flattened pyramid (Zhu et al. 2020).
 
@@ -176,11 +189,7 @@ class MultiScaleDeformableAttention(nn.Module):
         else:
             locations = reference[..., :2] + offsets / points * reference[..., 2:] * 0.5
         sampled = multi_scale_deformable_attention(value, spatial_shapes, locations, weights)
-        sampled = nn.with_logical_constraint(sampled.reshape(batch, num_queries, heads, head_dim), HEAD_AXES)
-        out = Projection((embed,), ("heads", "kv", "embed"), ("norm",), contract=2, dtype=self.dtype, name="output")(
-            sampled
-        )
-        return nn.with_logical_constraint(out, TOKEN_AXES)
+        return _merge_heads(sampled.reshape(batch, num_queries, heads, head_dim), embed, self.dtype)
 
 
 class MultiHeadAttention(nn.Module):
@@ -206,11 +215,7 @@ class MultiHeadAttention(nn.Module):
         if mask is not None:
             logits = jnp.where(mask[:, None], logits, jnp.finfo(jnp.float32).min)
         weights = jax.nn.softmax(logits, axis=-1).astype(self.dtype)
-        out = nn.with_logical_constraint(jnp.einsum("bhqk,bkhd->bqhd", weights, v), HEAD_AXES)
-        out = Projection((embed,), ("heads", "kv", "embed"), ("norm",), contract=2, dtype=self.dtype, name="output")(
-            out
-        )
-        return nn.with_logical_constraint(out, TOKEN_AXES)
+        return _merge_heads(jnp.einsum("bhqk,bkhd->bqhd", weights, v), embed, self.dtype)
 
 
 class FeedForward(nn.Module):

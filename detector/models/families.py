@@ -228,16 +228,23 @@ def _dino_objective(config, model: nn.Module, num_classes: int) -> Objective:
         divisor = jnp.maximum(num_boxes, 1.0) if normalizer is None else normalizer
         denoising_inputs = None
         if groups:
-            queries = denoising.contrastive_denoising_queries(
-                rng,
-                gt_boxes,
-                labels,
-                gt_mask,
-                num_groups=groups,
-                num_classes=num_classes,
-                label_noise_ratio=dino.label_noise_ratio,
-                box_noise_scale=dino.box_noise_scale,
-            )
+            # Each image's noise is drawn from (rng, its image id): the same
+            # whichever micro-batch, device or batch position the image has.
+            def noised_copies(image_rng, boxes, image_labels, mask):
+                one = denoising.contrastive_denoising_queries(
+                    image_rng,
+                    boxes[None],
+                    image_labels[None],
+                    mask[None],
+                    num_groups=groups,
+                    num_classes=num_classes,
+                    label_noise_ratio=dino.label_noise_ratio,
+                    box_noise_scale=dino.box_noise_scale,
+                )
+                return jax.tree.map(lambda x: x[0], one)
+
+            image_rngs = jax.vmap(lambda image_id: jax.random.fold_in(rng, image_id))(batch["image_id"])
+            queries = jax.vmap(noised_copies)(image_rngs, gt_boxes, labels, gt_mask)
             denoising_inputs = {
                 "labels": queries["labels"],
                 "boxes_cxcywh": queries["boxes_cxcywh"],

@@ -74,8 +74,9 @@ def train_step(
     """One optimizer step on a global batch. Returns (new_state, scalar metrics).
 
     `loss` is the family's (`families.Objective.loss`); its random draws
-    (DINO's denoising noise) come from `seed` and the step number, so a
-    resumed or re-sharded run draws the same ones.
+    (DINO's denoising noise) come from a key of `seed` and the step number,
+    which every micro-batch shares (the DINO objective draws per image, from
+    the image id), so a resumed, re-sharded or accumulated run draws the same.
 
     `frozen` (`optim.frozen_parameters`: params -> tree of bools) names the
     parameters that never train; their gradients are not computed at all.
@@ -102,9 +103,8 @@ def train_step(
         (total, terms), grads = grad_fn(state.params, batch, step_rng)
     else:
 
-        def add_micro_batch(totals, indexed_micro_batch):
-            index, micro_batch = indexed_micro_batch
-            (loss_sum, sums), grads = grad_fn(state.params, micro_batch, jax.random.fold_in(step_rng, index), 1.0)
+        def add_micro_batch(totals, micro_batch):
+            (loss_sum, sums), grads = grad_fn(state.params, micro_batch, step_rng, 1.0)
             return jax.tree.map(jnp.add, totals, (grads, {"loss": loss_sum, **sums})), None
 
         micro_batches = split_micro_batches(batch, accumulate_steps, micro_batch_sharding)
@@ -114,8 +114,7 @@ def train_step(
             jax.tree.map(jnp.zeros_like, state.params),
             {key: jnp.zeros((), jnp.float32) for key in ("loss", *term_shapes)},
         )
-        indices = jnp.arange(accumulate_steps)
-        (grad_sums, sums), _ = jax.lax.scan(add_micro_batch, zeros, (indices, micro_batches))
+        (grad_sums, sums), _ = jax.lax.scan(add_micro_batch, zeros, micro_batches)
         normalizer = jnp.maximum(sums["num_positives"], 1.0)
         grads = jax.tree.map(lambda g: g / normalizer, grad_sums)
         total = sums["loss"] / normalizer

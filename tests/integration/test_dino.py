@@ -13,7 +13,6 @@ import sys
 
 import numpy as np
 import pytest
-from PIL import Image
 
 from detector.serving import artifact
 from detector.serving.predictor import load_predictor
@@ -21,7 +20,7 @@ from detector.training import trainer
 from tests.helpers import REPO_ROOT
 from tests.helpers.runs import once_per_run
 from tests.helpers.tiny_config import DINO_OVERRIDES, as_flags, make_dino_config
-from tests.integration.test_export import LOAD_AND_PREDICT, expected_detections, subprocess_env
+from tests.integration.test_export import assert_fresh_process_detects_what_the_predictor_does, subprocess_env
 
 pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("compilation_cache_dir")]
 
@@ -63,28 +62,7 @@ def test_dino_artifact_in_a_fresh_process_detects_what_the_predictor_does(dino_r
     metadata = json.loads((directory / artifact.METADATA_FILE).read_text())
     assert metadata["outputs"]["boxes"]["shape"] == [2, 10, 4]
 
-    rng = np.random.default_rng(0)
-    images = [rng.integers(0, 256, size, np.uint8) for size in ((120, 90, 3), (48, 160, 3), (64, 64, 3))]
-    paths = []
-    for i, image in enumerate(images):
-        paths.append(tmp_path / f"image_{i}.png")
-        Image.fromarray(image).save(paths[-1])
-    output = tmp_path / "detections.npz"
-    result = subprocess.run(
-        [sys.executable, "-c", LOAD_AND_PREDICT, str(directory), str(output), *map(str, paths)],
-        cwd=REPO_ROOT,
-        env=subprocess_env(),
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
-    assert result.returncode == 0, result.stderr[-3000:]
-    got = np.load(output)
-    for i, want in enumerate(expected_detections(predictor, images)):
-        assert len(want["scores"]) == 10  # threshold 0: the top 10 of queries x classes
-        np.testing.assert_array_equal(got[f"labels_{i}"], want["labels"])
-        np.testing.assert_allclose(got[f"scores_{i}"], want["scores"], rtol=1e-5, atol=1e-6)
-        np.testing.assert_allclose(got[f"boxes_yxyx_{i}"], want["boxes_yxyx"], atol=1e-3)
+    assert_fresh_process_detects_what_the_predictor_does(directory, predictor, tmp_path, max_detections=10)
 
 
 def test_evaluate_command_takes_a_dino_workdir(dino_run, data_dir, tmp_path):

@@ -79,6 +79,35 @@ def expected_detections(predictor, images):
     return expected
 
 
+def assert_fresh_process_detects_what_the_predictor_does(directory, predictor, tmp_path, max_detections: int):
+    """The artifact in `directory`, loaded and run in a new Python process on three images of other sizes,
+    gives the in-process predictor's detections, all `max_detections` of them (score threshold 0)."""
+    rng = np.random.default_rng(0)
+    images = [rng.integers(0, 256, (height, width, 3), np.uint8) for height, width in IMAGE_SIZES]
+    paths = []
+    for i, image in enumerate(images):
+        paths.append(tmp_path / f"image_{i}.png")
+        Image.fromarray(image).save(paths[-1])
+    output = tmp_path / "exported_detections.npz"
+    result = subprocess.run(
+        [sys.executable, "-c", LOAD_AND_PREDICT, str(directory), str(output), *map(str, paths)],
+        cwd=REPO_ROOT,
+        env=subprocess_env(),
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    got = np.load(output)
+    for i, want in enumerate(expected_detections(predictor, images)):
+        assert len(want["scores"]) == max_detections  # threshold 0: every slot holds a detection
+        np.testing.assert_array_equal(got[f"labels_{i}"], want["labels"])
+        np.testing.assert_allclose(got[f"scores_{i}"], want["scores"], rtol=1e-5, atol=1e-6)
+        np.testing.assert_allclose(got[f"boxes_yxyx_{i}"], want["boxes_yxyx"], atol=1e-3)
+        height, width = IMAGE_SIZES[i]
+        assert np.all(got[f"boxes_yxyx_{i}"] <= [height, width, height, width])
+
+
 def test_exported_program_in_a_fresh_process_detects_what_the_predictor_does(reference_run, data_dir, tmp_path):
     config = make_config(data_dir, **EXPORT_OVERRIDES)
     predictor = load_predictor(config, str(reference_run.workdir), "last")
@@ -100,31 +129,7 @@ def test_exported_program_in_a_fresh_process_detects_what_the_predictor_does(ref
     assert metadata["label_to_category_id"] == list(predictor.dataset_info.label_to_category_id)
 
     # Three images on a program of two: the second call is padded with a blank image.
-    rng = np.random.default_rng(0)
-    images = [rng.integers(0, 256, (height, width, 3), np.uint8) for height, width in IMAGE_SIZES]
-    paths = []
-    for i, image in enumerate(images):
-        paths.append(tmp_path / f"image_{i}.png")
-        Image.fromarray(image).save(paths[-1])
-    output = tmp_path / "exported_detections.npz"
-    result = subprocess.run(
-        [sys.executable, "-c", LOAD_AND_PREDICT, str(directory), str(output), *map(str, paths)],
-        cwd=REPO_ROOT,
-        env=subprocess_env(),
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
-    assert result.returncode == 0, result.stderr[-3000:]
-    got = np.load(output)
-
-    for i, want in enumerate(expected_detections(predictor, images)):
-        assert len(want["scores"]) == MAX_DETECTIONS  # threshold 0: every slot holds a detection
-        np.testing.assert_array_equal(got[f"labels_{i}"], want["labels"])
-        np.testing.assert_allclose(got[f"scores_{i}"], want["scores"], rtol=1e-5, atol=1e-6)
-        np.testing.assert_allclose(got[f"boxes_yxyx_{i}"], want["boxes_yxyx"], atol=1e-3)
-        height, width = IMAGE_SIZES[i]
-        assert np.all(got[f"boxes_yxyx_{i}"] <= [height, width, height, width])
+    assert_fresh_process_detects_what_the_predictor_does(directory, predictor, tmp_path, MAX_DETECTIONS)
 
     with pytest.raises(ConfigError, match="at least 1"):
         artifact.export_predictor(predictor, batch_size=0)

@@ -130,6 +130,11 @@ def _compiled_backbone_forward(config, mesh_shape):
         pretrain_image_size=backbone_config.pretrain_image_size,
         scan=backbone_config.scan,
     )
+    return _compiled_forward(backbone, config, mesh_shape, lambda features: features[4])
+
+
+def _compiled_forward(module, config, mesh_shape, select=lambda outputs: outputs):
+    """(`module`'s forward pass on `config`'s global batch compiled for `mesh_shape`, its abstract parameters)."""
     mesh = sharding.create_mesh(dict(zip(sharding.MESH_AXES, mesh_shape)), jax.devices()[: math.prod(mesh_shape)])
     rules = sharding.logical_rules(config.sharding)
     images = jax.ShapeDtypeStruct(
@@ -139,8 +144,8 @@ def _compiled_backbone_forward(config, mesh_shape):
     )
     with sharding.use_mesh(mesh, rules):
         # The same shardings the trainer gives parameters; the optimizer is irrelevant here.
-        abstract_state, _ = state_shardings(backbone, optax.sgd(0.1), tuple(config.input.image_size), mesh, rules)
-        forward = jax.jit(lambda params, x: backbone.apply({"params": params}, x)[4])
+        abstract_state, _ = state_shardings(module, optax.sgd(0.1), tuple(config.input.image_size), mesh, rules)
+        forward = jax.jit(lambda params, x: select(module.apply({"params": params}, x)))
         return forward.lower(abstract_state.params, images).compile(), abstract_state.params
 
 
@@ -301,21 +306,8 @@ def _dino_forward_all_reduces(encoder_layers: int, decoder_layers: int, mesh_sha
     config.model.dino.decoder_layers = decoder_layers
     config.model.dino.num_heads = 8
     config.global_batch_size = 2
-    model = families.create_model(config, NUM_CLASSES)
-    mesh = sharding.create_mesh(dict(zip(sharding.MESH_AXES, mesh_shape)), jax.devices()[: math.prod(mesh_shape)])
-    rules = sharding.logical_rules(config.sharding)
-    images = jax.ShapeDtypeStruct(
-        (config.global_batch_size, *config.input.image_size, 3),
-        jnp.float32,
-        sharding=sharding.batch_sharding(mesh, sharding.batch_axes(mesh)),
-    )
-    with sharding.use_mesh(mesh, rules):
-        abstract_state, _ = state_shardings(model, optax.sgd(0.1), tuple(config.input.image_size), mesh, rules)
-        forward = jax.jit(lambda params, x: model.apply({"params": params}, x))
-        compiled = forward.lower(abstract_state.params, images).compile()
-    specs = {
-        k: str(v.sharding.spec) for k, v in flax.traverse_util.flatten_dict(abstract_state.params, sep="/").items()
-    }
+    compiled, params = _compiled_forward(families.create_model(config, NUM_CLASSES), config, mesh_shape)
+    specs = {k: str(v.sharding.spec) for k, v in flax.traverse_util.flatten_dict(params, sep="/").items()}
     return [c for c in parse_collectives(compiled.as_text()) if c.kind == "all-reduce"], specs
 
 

@@ -1,4 +1,4 @@
-"""Gradient accumulation and the EMA of the parameters, end to end on the default model.
+"""Gradient accumulation and the EMA of the parameters, end to end on the default model (and DINO).
 
 Accumulation must give the update of one pass over the whole global batch (on
 one device and on a (2, 2, 2) mesh) while holding one micro-batch's
@@ -18,14 +18,13 @@ import pytest
 import input_pipeline
 import sharding
 from detector.models import families
-from detector.models.retinanet import create_model
 from detector.serving import artifact
 from detector.serving.predictor import load_predictor
 from detector.training import checkpointing, trainer
 from detector.training.train_compile import plan_train_step
 from tests.helpers.runs import flat
 from tests.helpers.sharded_training import NUM_CLASSES, abstract_state_on_mesh, assert_same_training, train_on_mesh
-from tests.helpers.tiny_config import make_config
+from tests.helpers.tiny_config import make_config, make_dino_config
 
 pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("compilation_cache_dir")]
 
@@ -40,7 +39,7 @@ ACCUMULATION = {
 
 
 def initial_params(config):
-    model = create_model(config.model, NUM_CLASSES, families.num_anchors_per_location(config))
+    model = families.create_model(config, NUM_CLASSES)
     images = jnp.zeros((1, *config.input.image_size, 3))
     return jax.device_get(flax.linen.meta.unbox(jax.jit(lambda r: model.init(r, images))(jax.random.key(0))["params"]))
 
@@ -56,6 +55,21 @@ def test_four_micro_batches_give_the_update_of_one_pass(data_dir, mesh_shape):
     result = train_on_mesh(accumulated, mesh_shape, initial, batches, NUM_CLASSES)
     for step_metrics in (reference.metrics, result.metrics):
         assert [m["num_positives"] for m in step_metrics] == [m["num_positives"] for m in reference.metrics]
+    assert_same_training(reference, result, flax.traverse_util.flatten_dict(initial, sep="/"))
+
+
+def test_dino_micro_batches_give_the_update_of_one_pass(data_dir):
+    """Matching, denoising noise (drawn per image) and the global box count: the same update in 2 micro-batches."""
+    one_pass = make_dino_config(data_dir, **ACCUMULATION)
+    accumulated = make_dino_config(data_dir, **ACCUMULATION, **{"optimizer.accumulate_steps": 2})
+    train_iter = input_pipeline.create_train_iterator(one_pass)
+    batches = [next(train_iter) for _ in range(2)]
+    initial = initial_params(one_pass)
+    reference = train_on_mesh(one_pass, (1, 1, 1), initial, batches, NUM_CLASSES)
+    result = train_on_mesh(accumulated, (1, 1, 1), initial, batches, NUM_CLASSES)
+    for expected, actual in zip(reference.metrics, result.metrics):
+        assert actual["num_positives"] == expected["num_positives"]
+        np.testing.assert_allclose(actual["denoising_loss"], expected["denoising_loss"], rtol=1e-4)
     assert_same_training(reference, result, flax.traverse_util.flatten_dict(initial, sep="/"))
 
 
