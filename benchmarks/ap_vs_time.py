@@ -85,6 +85,10 @@ def run_config(name: str, workdir: str) -> list[dict]:
 def main(argv: list[str]) -> None:
     del argv
     root = _WORKDIR_ROOT.value or tempfile.mkdtemp(prefix="ap_vs_time_")
+    os.makedirs(root, exist_ok=True)
+    for name in _CONFIGS.value:
+        if os.path.exists(os.path.join(root, name)):
+            sys.exit(f"error: {os.path.join(root, name)} exists (a run would resume it); pick another --workdir_root")
     points = []
     for name in _CONFIGS.value:
         points += run_config(name, os.path.join(root, name))

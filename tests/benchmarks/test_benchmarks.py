@@ -170,3 +170,36 @@ def test_compared_models_have_the_same_parameters():
     total = sum(n for path, n in sizes.items() if not any("FrozenBatchNorm" in p or p == "stem_norm" for p in path))
     trainable = sum(n for path, n in sizes.items() if not frozen[path])
     assert (total, trainable) == (theirs["total"], theirs["trainable"])
+
+
+def test_ap_vs_time_stamps_every_evaluation_of_each_run(tmp_path, data_dir):
+    """Both families, 4 steps each at 64 px, an evaluation every 2 steps: 2 points per config, in time order."""
+    from tests.helpers.tiny_config import OVERRIDES
+
+    overrides = {**OVERRIDES, "dataset.data_dir": str(data_dir), "model.dino.num_queries": 32}
+    overrides.pop("eval_every_steps")  # the benchmark sets it
+    flags = [f"--override={key}={str(value).replace(' ', '')}" for key, value in overrides.items()]
+    result = _run(
+        "benchmarks.ap_vs_time",
+        "--configs=default,dino_tiny",
+        "--eval_every_steps=2",
+        f"--workdir_root={tmp_path / 'runs'}",
+        "--output_dir",
+        str(tmp_path),
+        *flags,
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    with open(tmp_path / "ap_vs_time.json") as f:
+        rows = json.load(f)["rows"]
+    assert [(row["config"], row["step"]) for row in rows] == [
+        ("default", 2),
+        ("default", 4),
+        ("dino_tiny", 2),
+        ("dino_tiny", 4),
+    ]
+    for first, second in zip(rows[::2], rows[1::2]):
+        assert 0 < first["wall s"] < second["wall s"]
+        assert 0.0 <= second["AP"] <= 1.0
+    # A workdir that exists would be resumed, not measured: refused.
+    again = _run("benchmarks.ap_vs_time", "--configs=default", f"--workdir_root={tmp_path / 'runs'}")
+    assert again.returncode != 0 and "exists" in again.stderr
