@@ -288,6 +288,12 @@ def base_config() -> ml_collections.ConfigDict:
     config.optimizer.ema_decay = 0.0
     config.optimizer.ema_warmup = True
 
+    # Start a new run from another run's parameters (its WORKDIR): every
+    # parameter whose path and shape match is loaded, the rest initialised and
+    # listed in the log; the optimizer starts afresh. Only on a fresh start: a
+    # workdir with checkpoints resumes from its own. "" for none.
+    config.init_from = ""
+
     config.global_batch_size = 16
     config.total_steps = 1500
     config.log_every_steps = 50

@@ -151,9 +151,52 @@ def set_up_logging() -> None:
     logging.set_verbosity(logging.INFO if jax.process_index() == 0 else logging.WARNING)
 
 
+def _is_closed_loop_noise(error: BaseException | None) -> bool:
+    return isinstance(error, RuntimeError) and str(error) == "Event loop is closed"
+
+
+def silence_closed_event_loop_noise() -> None:
+    """Drops the tracebacks Orbax's I/O leaves behind after a failed read or write.
+
+    When a checkpoint read or write fails, Orbax closes its asyncio loop while
+    the reads or writes of the other arrays are still on their way: their
+    TensorStore callbacks raise "Event loop is closed" in background threads,
+    and their coroutines' own errors are never awaited. Python prints each
+    of those tracebacks after the command has handled the failure and said
+    what it is. They say nothing more, so they are dropped; every other
+    exception still prints.
+    """
+    import threading
+
+    previous_excepthook, previous_thread_hook, previous_unraisable = (
+        sys.excepthook,
+        threading.excepthook,
+        sys.unraisablehook,
+    )
+
+    def excepthook(kind, value, traceback):
+        if not _is_closed_loop_noise(value):
+            previous_excepthook(kind, value, traceback)
+
+    def thread_hook(args):
+        if not _is_closed_loop_noise(args.exc_value):
+            previous_thread_hook(args)
+
+    def unraisable_hook(unraisable):
+        # Also the failed reads of the other arrays of a step that did not
+        # restore: coroutines of Orbax's whose errors nobody awaited any more.
+        code = getattr(unraisable.object, "cr_code", None)
+        from_orbax = code is not None and "/orbax/" in code.co_filename
+        if not (_is_closed_loop_noise(unraisable.exc_value) or from_orbax):
+            previous_unraisable(unraisable)
+
+    sys.excepthook, threading.excepthook, sys.unraisablehook = excepthook, thread_hook, unraisable_hook
+
+
 def run(main: Callable[[list[str]], None]) -> None:
     """`absl.app.run(main)` with one-line errors for bad flags and for USER_ERRORS."""
     use_fast_cpu_convolutions()
+    silence_closed_event_loop_noise()
 
     def guarded_main(argv: list[str]) -> None:
         try:

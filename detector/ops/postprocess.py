@@ -31,11 +31,15 @@ def non_max_suppression(boxes_yxyx, scores, iou_threshold: float, max_output_siz
     Returns:
         ``(indices, valid)``: int32 ``[max_output_size]`` indices into the K
         inputs in descending score order, and bool ``[max_output_size]``; unused
-        slots hold index 0 and valid False.
+        slots hold index 0 and valid False (all of them for K = 0).
     """
     boxes_yxyx = jnp.asarray(boxes_yxyx, jnp.float32)
     scores = jnp.asarray(scores, jnp.float32)
     num_boxes = boxes_yxyx.shape[0]
+    if num_boxes == 0:
+        # Nothing to keep (torchvision returns an empty index list); the loop
+        # below would index its empty matrices even for zero iterations.
+        return jnp.zeros((max_output_size,), jnp.int32), jnp.zeros((max_output_size,), bool)
     order = jnp.argsort(-scores, stable=True)
     sorted_boxes = boxes_yxyx[order]
     candidate = scores[order] > -jnp.inf

@@ -17,7 +17,9 @@ import jax
 import jax.numpy as jnp
 import orbax.checkpoint as ocp
 from etils import epath
+from flax import traverse_util
 
+from detector.errors import ConfigError, TrainingError
 from detector.training.train_state import TrainState
 
 STATE_ITEM = "state"
@@ -91,10 +93,60 @@ def save(manager: ocp.CheckpointManager, step: int, state: TrainState, metadata:
 def restore_latest(
     manager: ocp.CheckpointManager, abstract_state: TrainState
 ) -> tuple[TrainState, dict[str, Any]] | None:
-    """Restores the newest complete checkpoint onto `abstract_state`'s shardings, or None."""
-    step = manager.latest_step()
-    if step is None:
-        return None
+    """Restores the newest checkpoint that restores onto `abstract_state`'s shardings, or None when there is none.
+
+    A step that fails to restore (missing or truncated files, unreadable
+    metadata) is logged with its cause, moved aside as `STEP.damaged-N` (never
+    deleted, out of Orbax's step list; by process 0, the others wait) and the
+    next newest is tried. Raises TrainingError listing what was tried when
+    none restores, and WorkdirMismatchError (not damage) when the stored
+    parameters belong to another model.
+    """
+    tried = []
+    for step in sorted(manager.all_steps(), reverse=True):
+        try:
+            return _restore_step(manager, step, abstract_state)
+        except WorkdirMismatchError:
+            raise
+        except Exception as error:  # noqa: BLE001  (any failure to read a step is the step's damage)
+            cause = _first_line(error)
+            tried.append(f"step {step}: {cause}")
+            moved = _move_aside(manager, step)
+            logging.warning("checkpoint of step %d does not restore (%s); moved it to %s", step, cause, moved)
+    if tried:
+        raise TrainingError(
+            f"no checkpoint in {manager.directory} restores ({'; '.join(tried)}); the damaged steps were moved "
+            "aside as STEP.damaged-N: restore them from a backup, or train in a new --workdir"
+        )
+    return None
+
+
+def _first_line(error: BaseException) -> str:
+    text = str(error).strip().splitlines()
+    return f"{type(error).__name__}: {text[0] if text else ''}"[:300]
+
+
+def _move_aside(manager: ocp.CheckpointManager, step: int) -> epath.Path:
+    """Renames `STEP` to the first free `STEP.damaged-N` (process 0; every process waits) and reloads the manager."""
+    directory = epath.Path(manager.directory)
+    index = 0
+    while (directory / f"{step}.damaged-{index}").exists():
+        index += 1
+    target = directory / f"{step}.damaged-{index}"
+    if jax.process_index() == 0:
+        (directory / str(step)).rename(target)
+    if jax.process_count() > 1:
+        from jax.experimental import multihost_utils
+
+        multihost_utils.sync_global_devices(f"checkpoint {step} moved aside")
+    manager.reload()
+    return target
+
+
+def _restore_step(
+    manager: ocp.CheckpointManager, step: int, abstract_state: TrainState
+) -> tuple[TrainState, dict[str, Any]]:
+    check_params_match(manager, step, abstract_state.params, key=PARAMS_ITEM)
     target = _state_item(abstract_state)
     has_ema = EMA_ITEM in _stored_state_keys(manager, step)
     if EMA_ITEM in target and not has_ema:
@@ -120,10 +172,64 @@ def restore_latest(
     return state, dict(restored[METADATA_ITEM] or {})
 
 
+class _NoEmaError(FileNotFoundError):
+    """The checkpoint was trained without the EMA the reader asks for (a config choice, not damage)."""
+
+
+class WorkdirMismatchError(ConfigError):
+    """A workdir's checkpoint holds parameters of another model than the config describes."""
+
+
+def _stored_tree(manager: ocp.CheckpointManager, step: int) -> Any:
+    """The state tree stored at `step` as nested dicts of array metadata (shape, dtype); no array is read."""
+    metadata = ocp.StandardCheckpointer().metadata(epath.Path(manager.directory) / str(step) / STATE_ITEM)
+    return metadata.item_metadata.tree
+
+
+def parameter_differences(stored_params: Any, requested_params: Any) -> list[tuple[str, Any, Any]]:
+    """(path, stored shape or None, requested shape or None) of every parameter that differs, in path order.
+
+    Both trees are nested dicts whose leaves have `.shape` (array metadata,
+    ShapeDtypeStructs or arrays); paths are '/'-joined.
+    """
+    stored = traverse_util.flatten_dict(stored_params, sep="/") if isinstance(stored_params, dict) else {}
+    requested = traverse_util.flatten_dict(requested_params, sep="/")
+    differences = []
+    for path in sorted(set(stored) | set(requested)):
+        stored_shape = tuple(stored[path].shape) if path in stored else None
+        requested_shape = tuple(requested[path].shape) if path in requested else None
+        if stored_shape != requested_shape:
+            differences.append((path, stored_shape, requested_shape))
+    return differences
+
+
+def check_params_match(manager: ocp.CheckpointManager, step: int, requested_params: Any, *, key: str) -> None:
+    """Raises WorkdirMismatchError, in one line, when the parameters stored at `step` differ from the config's.
+
+    `key`: the state tree's parameter entry to compare ("params" or "ema_params").
+    """
+    tree = _stored_tree(manager, step)
+    stored = tree.get(key) if isinstance(tree, dict) else None
+    differences = parameter_differences(stored, requested_params)
+    if not differences:
+        return
+    path, stored_shape, requested_shape = differences[0]
+
+    def described(shape):
+        return "absent" if shape is None else str(shape)
+
+    total = len(traverse_util.flatten_dict(requested_params, sep="/"))
+    raise WorkdirMismatchError(
+        f"the checkpoint of step {step} in {manager.directory} was trained with another model: {path} is "
+        f"{described(stored_shape)} there and {described(requested_shape)} in this config ({len(differences)} "
+        f"parameters differ, of {total}); train in a new --workdir, or start a new --workdir from this one's "
+        f"matching parameters with --config.init_from={epath.Path(manager.directory).parent}"
+    )
+
+
 def _stored_state_keys(manager: ocp.CheckpointManager, step: int) -> set[str]:
     """Top-level keys of the state tree stored at `step`, from its metadata (no array is read)."""
-    metadata = ocp.StandardCheckpointer().metadata(epath.Path(manager.directory) / str(step) / STATE_ITEM)
-    tree = metadata.item_metadata.tree
+    tree = _stored_tree(manager, step)
     return set(tree) if isinstance(tree, dict) else set()
 
 
@@ -160,27 +266,99 @@ def restore_params(workdir: str, which: str, abstract_params: Any, *, ema: bool 
                 f"{', '.join(map(str, steps)) or 'none'}); use last, best or one of those steps"
             )
         item, target = STATE_ITEM, {EMA_ITEM if ema else PARAMS_ITEM: abstract_params}
-    try:
-        if step is None:
-            raise FileNotFoundError(
-                f"no complete checkpoint in {directory}; train first (python -m detector.train) or check --workdir"
-            )
-        if which != "best" and ema and EMA_ITEM not in _stored_state_keys(manager, step):
-            raise FileNotFoundError(
-                f"the checkpoint of step {step} in {directory} holds no EMA of the parameters (trained with "
-                "optimizer.ema_decay=0); pass --raw_params, or --config.optimizer.ema_decay=0"
-            )
-        restore_args = ocp.checkpoint_utils.construct_restore_args(target)
+    key = EMA_ITEM if ema else PARAMS_ITEM
+    restore_args = ocp.checkpoint_utils.construct_restore_args(target)
+
+    def read(step):
+        if which != "best":
+            if ema and EMA_ITEM not in _stored_state_keys(manager, step):
+                raise _NoEmaError(
+                    f"the checkpoint of step {step} in {directory} holds no EMA of the parameters (trained with "
+                    "optimizer.ema_decay=0); pass --raw_params, or --config.optimizer.ema_decay=0"
+                )
+            check_params_match(manager, step, abstract_params, key=key)
         # The full train state holds the optimizer state too; read the parameters alone.
-        restored = manager.restore(
+        return manager.restore(
             step,
             args=ocp.args.Composite(
                 **{item: ocp.args.PyTreeRestore(item=target, restore_args=restore_args, partial_restore=True)}
             ),
         )[item]
+
+    try:
+        if step is None:
+            raise FileNotFoundError(
+                f"no complete checkpoint in {directory}; train first (python -m detector.train) or check --workdir"
+            )
+        if which != "last":
+            restored = read(step)
+        else:
+            # As training resumes: past a damaged newest step to the next newest
+            # (left in place: readers do not change a workdir).
+            tried = []
+            for candidate in sorted(manager.all_steps(), reverse=True):
+                try:
+                    restored, step = read(candidate), candidate
+                    break
+                except (WorkdirMismatchError, _NoEmaError):
+                    raise
+                except Exception as error:  # noqa: BLE001  (any failure to read a step is the step's damage)
+                    tried.append(f"step {candidate}: {_first_line(error)}")
+                    logging.warning(
+                        "checkpoint of step %d does not restore (%s); trying an older one", candidate, tried[-1]
+                    )
+            else:
+                raise TrainingError(
+                    f"no checkpoint in {directory} restores ({'; '.join(tried)}); train in a new --workdir"
+                )
     finally:
         manager.close()
-    return (restored if which == "best" else restored[EMA_ITEM if ema else PARAMS_ITEM]), int(step)
+    return (restored if which == "best" else restored[key]), int(step)
+
+
+def load_matching_params(workdir: str, params: Any) -> tuple[Any, int, list[tuple[str, Any, Any]]]:
+    """`params` with every parameter whose path and shape match taken from `workdir`'s newest checkpoint.
+
+    For fine-tuning a changed model from a trained run (`config.init_from`):
+    the rest keeps its values in `params` (their initialisation). Returns
+    (parameters placed like `params`, the step read, the differences left as
+    they were: (path, stored shape or None, requested shape or None)).
+    """
+    directory = checkpoint_dir(workdir)
+    if not directory.exists():
+        raise FileNotFoundError(f"config.init_from={workdir}: {directory} does not exist; name a trained workdir")
+    manager = create_manager(workdir, max_to_keep=1, read_only=True)
+    try:
+        step = manager.latest_step()
+        if step is None:
+            raise FileNotFoundError(f"config.init_from={workdir}: no complete checkpoint in {directory}")
+        stored = _stored_tree(manager, step).get(PARAMS_ITEM, {})
+        differences = parameter_differences(stored, params)
+        differing = {path for path, _, _ in differences}
+        flat = traverse_util.flatten_dict(params, sep="/")
+        target = traverse_util.unflatten_dict(
+            {
+                tuple(path.split("/")): jax.ShapeDtypeStruct(leaf.shape, leaf.dtype, sharding=leaf.sharding)
+                for path, leaf in flat.items()
+                if path not in differing
+            }
+        )
+        item = {PARAMS_ITEM: target}
+        restored = manager.restore(
+            step,
+            args=ocp.args.Composite(
+                **{
+                    STATE_ITEM: ocp.args.PyTreeRestore(
+                        item=item, restore_args=ocp.checkpoint_utils.construct_restore_args(item), partial_restore=True
+                    )
+                }
+            ),
+        )[STATE_ITEM][PARAMS_ITEM]
+    finally:
+        manager.close()
+    loaded = traverse_util.flatten_dict(restored, sep="/")
+    merged = {tuple(path.split("/")): loaded.get(path, leaf) for path, leaf in flat.items()}
+    return traverse_util.unflatten_dict(merged), int(step), differences
 
 
 def input_position(metadata: dict[str, Any], step: int, global_batch_size: int) -> int:
@@ -211,7 +389,11 @@ def save_if_best(manager: ocp.CheckpointManager, step: int, params: Any, ap: flo
     """Offers `params` evaluated at `step` with COCO `ap`; Orbax keeps only the best one.
 
     Every process must call this with the same `ap` (checkpointing is collective).
+    A run resumed from before an evaluation it already made evaluates that
+    step again: the new parameters and AP replace the old ones.
     """
+    if step in manager.all_steps():
+        manager.delete(step)
     manager.save(
         step,
         args=ocp.args.Composite(**{PARAMS_ITEM: ocp.args.StandardSave(params)}),

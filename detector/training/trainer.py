@@ -190,6 +190,18 @@ def _restore_or_init(config, manager, model, tx: optax.GradientTransformation, p
         if state.ema_params is not None:
             state = state.replace(ema_params=jax.tree.map(jnp.copy, state.params))
         logging.info("backbone initialised from %s", pretrained)
+    if config.init_from:
+        params, step, skipped = checkpointing.load_matching_params(config.init_from, state.params)
+        state = state.replace(params=params)
+        if state.ema_params is not None:
+            state = state.replace(ema_params=jax.tree.map(jnp.copy, state.params))
+        logging.warning(
+            "initialised from step %d of %s: %d parameters skipped (path or shape differs)%s",
+            step,
+            config.init_from,
+            len(skipped),
+            "".join(f"\n  {path}: {stored} there, {wanted} here" for path, stored, wanted in skipped),
+        )
     return _Start(state, 0, 0)
 
 
