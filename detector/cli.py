@@ -127,7 +127,13 @@ class _QuietLibraries(pylogging.Filter):
     """Keeps the libraries' INFO chatter (one line per checkpoint file) out of the log."""
 
     def filter(self, record: pylogging.LogRecord) -> bool:
-        return record.levelno >= pylogging.WARNING or "/orbax/" not in record.pathname
+        if "/orbax/" not in record.pathname:
+            return True
+        if record.exc_info and not flags.FLAGS["verbose"].value:
+            # Orbax logs a failed write from each of its threads with the
+            # traceback; the command reports the failure itself, in one line.
+            record.exc_info, record.exc_text = None, None
+        return record.levelno >= pylogging.WARNING
 
 
 def start(argv: Sequence[str], *, takes_arguments: bool = False) -> None:

@@ -259,8 +259,8 @@ class PredictionMlp(nn.Module):
         return x
 
 
-class EncoderLayer(nn.Module):
-    """Post-norm deformable self-attention over all pyramid positions, then the FFN."""
+class _TransformerLayer(nn.Module):
+    """What encoder and decoder layers are built of: attention shapes, FFN width, the pyramid's level sizes."""
 
     num_heads: int
     num_levels: int
@@ -268,6 +268,10 @@ class EncoderLayer(nn.Module):
     ffn_dim: int
     spatial_shapes: tuple[tuple[int, int], ...]
     dtype: Any = jnp.float32
+
+
+class EncoderLayer(_TransformerLayer):
+    """Post-norm deformable self-attention over all pyramid positions, then the FFN."""
 
     @nn.compact
     def __call__(self, x: jax.Array, position: jax.Array, reference: jax.Array) -> jax.Array:
@@ -279,15 +283,8 @@ class EncoderLayer(nn.Module):
         return nn.with_logical_constraint(x, TOKEN_AXES)
 
 
-class DecoderLayer(nn.Module):
+class DecoderLayer(_TransformerLayer):
     """Post-norm query self-attention (masked), deformable cross-attention into the encoder memory, FFN."""
-
-    num_heads: int
-    num_levels: int
-    num_points: int
-    ffn_dim: int
-    spatial_shapes: tuple[tuple[int, int], ...]
-    dtype: Any = jnp.float32
 
     @nn.compact
     def __call__(self, queries, query_position, reference_boxes, memory, mask) -> jax.Array:

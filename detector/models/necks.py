@@ -169,22 +169,15 @@ class ChannelMapper(PyramidNeck):
         for level in range(self.min_level, self.max_level + 1):
             if level <= top_backbone_level:
                 x = backbone_features[level]
-                y = conv(
-                    self.features,
-                    1,
-                    dtype=self.dtype,
-                    kernel_init=nn.initializers.xavier_uniform(),
-                    name=f"input{level}",
-                )(x)
-            else:
-                y = conv(
-                    self.features,
-                    3,
-                    2,
-                    dtype=self.dtype,
-                    kernel_init=nn.initializers.xavier_uniform(),
-                    name=f"input{level}",
-                )(x)
+            kernel_size, stride = (1, 1) if level <= top_backbone_level else (3, 2)
+            y = conv(
+                self.features,
+                kernel_size,
+                stride,
+                dtype=self.dtype,
+                kernel_init=nn.initializers.xavier_uniform(),
+                name=f"input{level}",
+            )(x)
             y = group_norm(self.features, num_groups=32, dtype=self.dtype, name=f"input{level}_norm")(y)
             pyramid[level] = constrain_activation(y)
             if level > top_backbone_level:

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import logging
 import os
+import re
 from typing import Any
 
 import jax
@@ -72,19 +73,69 @@ def create_manager(workdir: str, *, max_to_keep: int, read_only: bool = False) -
     return ocp.CheckpointManager(checkpoint_dir(workdir), options=options, item_names=(STATE_ITEM, METADATA_ITEM))
 
 
+class CheckpointWriteError(TrainingError):
+    """A checkpoint could not be written (no space, permissions, I/O); older complete ones are intact."""
+
+
+def _write_cause(error: BaseException) -> str:
+    """The operating system's reason in a failed write's message ("No space left on device"), else its first line."""
+    for candidate in (error, error.__cause__, error.__context__):
+        if isinstance(candidate, OSError) and candidate.errno and candidate.strerror:
+            return f"{candidate.strerror} (errno {candidate.errno})"
+    text = str(error)
+    tensorstore = re.search(r"([A-Z][^:\"\n]*?) \[os_error_code='?(\d+)'?\]", text)  # TensorStore's form
+    if tensorstore:
+        return f"{tensorstore.group(1)} (errno {tensorstore.group(2)})"
+    python = re.search(r"\[Errno (\d+)\] ([^:'\"\n]+)", text)  # an OSError's text inside another error
+    if python:
+        return f"{python.group(2).strip()} (errno {python.group(1)})"
+    return _first_line(error)
+
+
+def _write_failure(manager: ocp.CheckpointManager, error: BaseException) -> CheckpointWriteError:
+    """The one-line error of a failed save, after removing the partial step directories it left."""
+    directory = epath.Path(manager.directory)
+    partial = sorted(path for path in directory.iterdir() if path.name.endswith(".orbax-checkpoint-tmp"))
+    if jax.process_index() == 0:
+        for path in partial:
+            path.rmtree(missing_ok=True)
+    steps = [path.name.split(".", 1)[0] for path in partial]
+    complete = sorted(int(path.name) for path in directory.iterdir() if path.name.isdigit())
+    newest = f"step {complete[-1]} is the newest complete checkpoint" if complete else "there is no complete checkpoint"
+    return CheckpointWriteError(
+        f"writing checkpoint {'/'.join(steps) or '(unknown step)'} to {directory} failed: {_write_cause(error)}; "
+        f"the partial copy is removed and {newest}: fix the cause, then rerun the same command to resume from it"
+    )
+
+
+def finish_writes(manager: ocp.CheckpointManager) -> None:
+    """Waits for the in-flight async save; a failed one raises CheckpointWriteError (see `save`)."""
+    try:
+        manager.wait_until_finished()
+    except Exception as error:  # noqa: BLE001  (any failure of a save is reported the same way)
+        raise _write_failure(manager, error) from error
+
+
 def save(manager: ocp.CheckpointManager, step: int, state: TrainState, metadata: dict[str, Any]) -> bool:
     """Starts an async save of `state` at `step`; returns whether a save was started.
 
     `metadata` is small JSON (e.g. where the input pipeline stands) kept beside the state.
+    A failed write (this one, or the previous async one found failed now)
+    raises CheckpointWriteError after removing the partial step directory;
+    Orbax removes older checkpoints only after a newer one is complete, so
+    the newest complete one stays.
     """
-    saved = manager.save(
-        step,
-        args=ocp.args.Composite(
-            **{STATE_ITEM: ocp.args.StandardSave(_state_item(state)), METADATA_ITEM: ocp.args.JsonSave(metadata)}
-        ),
-        # The trainer decides when to save (its interval and the last step).
-        force=True,
-    )
+    try:
+        saved = manager.save(
+            step,
+            args=ocp.args.Composite(
+                **{STATE_ITEM: ocp.args.StandardSave(_state_item(state)), METADATA_ITEM: ocp.args.JsonSave(metadata)}
+            ),
+            # The trainer decides when to save (its interval and the last step).
+            force=True,
+        )
+    except Exception as error:  # noqa: BLE001  (this save's, or the previous async save's, failure)
+        raise _write_failure(manager, error) from error
     if saved:
         logging.info("checkpoint: saving step %d to %s", step, manager.directory)
     return saved

@@ -78,11 +78,13 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict[
         if not stopped_early:
             checkpointing.export_params(workdir, evaluated_params(state))
     finally:
-        # Let an in-flight async save finish so the newest checkpoint is complete.
-        manager.wait_until_finished()
-        manager.close()
-        best_manager.close()
-        writer.close()
+        try:
+            # Let an in-flight async save finish so the newest checkpoint is complete.
+            checkpointing.finish_writes(manager)
+        finally:
+            manager.close()
+            best_manager.close()
+            writer.close()
     if stopped_early:
         return None
     if is_primary and last_metrics is not None:

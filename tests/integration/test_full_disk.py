@@ -1,0 +1,49 @@
+"""A full disk while saving: one error line, the partial step removed, the complete ones kept, a prompt exit.
+
+On a real 3 MB tmpfs (root can mount one; elsewhere the test is skipped),
+the tiny config checkpointing every 2 steps fills it after a few saves.
+"""
+
+from __future__ import annotations
+
+import re
+import subprocess
+
+import pytest
+
+from tests.integration.test_workdir_mismatch import run_command
+
+pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("compilation_cache_dir")]
+
+
+@pytest.fixture
+def small_disk(tmp_path):
+    mount_point = tmp_path / "small"
+    mount_point.mkdir()
+    mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=3m", "tmpfs", str(mount_point)], capture_output=True)
+    if mounted.returncode != 0:
+        pytest.skip(f"cannot mount a tmpfs here: {mounted.stderr.decode().strip()}")
+    try:
+        yield mount_point
+    finally:
+        subprocess.run(["umount", str(mount_point)], check=False)
+
+
+def test_a_full_disk_stops_with_one_line_and_keeps_the_complete_checkpoints(small_disk, data_dir):
+    workdir = small_disk / "run"
+    result = run_command(
+        "detector.train", workdir, data_dir, total_steps=40, checkpoint_every_steps=2, eval_every_steps=100
+    )
+    assert result.returncode != 0
+    errors = [line for line in result.stderr.splitlines() if line.startswith("error:")]
+    assert len(errors) == 1, result.stderr[-3000:]
+    assert "No space left on device (errno 28)" in errors[0], errors
+    assert "rerun the same command to resume" in errors[0]
+    assert "Traceback" not in result.stderr, result.stderr[-3000:]
+
+    names = sorted((workdir / "checkpoints").iterdir())
+    assert not [path for path in names if "tmp" in path.name], names  # the partial step is gone
+    complete = sorted(int(path.name) for path in names if path.name.isdigit())
+    failed = int(re.search(r"writing checkpoint (\d+)", errors[0]).group(1))
+    assert complete and max(complete) < failed, (complete, failed)
+    assert f"step {max(complete)} is the newest complete checkpoint" in errors[0]
