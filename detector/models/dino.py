@@ -364,18 +364,18 @@ class Dino(nn.Module):
         )[None].astype(self.dtype)
 
         encoder_reference = jnp.asarray(encoder_reference_points(list(spatial_shapes)))[None]
+        layer_shape = dict(
+            num_heads=self.num_heads,
+            num_levels=len(levels),
+            num_points=self.num_points,
+            ffn_dim=self.ffn_dim,
+            spatial_shapes=spatial_shapes,
+            dtype=self.dtype,
+        )
         encoder_layer = rematerialized(EncoderLayer, self.remat)
         memory = tokens
         for i in range(self.num_encoder_layers):
-            memory = encoder_layer(
-                self.num_heads,
-                len(levels),
-                self.num_points,
-                self.ffn_dim,
-                spatial_shapes,
-                self.dtype,
-                name=f"encoder{i}",
-            )(memory, position, encoder_reference)
+            memory = encoder_layer(**layer_shape, name=f"encoder{i}")(memory, position, encoder_reference)
 
         # Two-stage query selection: every position proposes a box; the N best
         # give the decoder its reference boxes (the content queries are learned).
@@ -437,15 +437,7 @@ class Dino(nn.Module):
         for i in range(self.num_decoder_layers):
             reference = jax.lax.stop_gradient(previous_boxes)
             query_position = reference_head(box_position_embedding(reference, embed // 2).astype(self.dtype))
-            x = decoder_layer(
-                self.num_heads,
-                len(levels),
-                self.num_points,
-                self.ffn_dim,
-                spatial_shapes,
-                self.dtype,
-                name=f"decoder{i}",
-            )(x, query_position, reference, memory, mask)
+            x = decoder_layer(**layer_shape, name=f"decoder{i}")(x, query_position, reference, memory, mask)
             normed = output_norm(x)
             delta = box_head(normed).astype(jnp.float32)
             # Look forward twice: this layer's boxes refine the previous layer's

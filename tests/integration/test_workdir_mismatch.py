@@ -108,3 +108,8 @@ def _abstract_of(reference_run, mesh):
     with sharding.use_mesh(mesh, rules):
         abstract, _ = params_shardings(families.create_model(config, 4), tuple(config.input.image_size), mesh, rules)
     return abstract
+
+
+def test_init_from_a_workdir_without_checkpoints_names_it(tmp_path):
+    with pytest.raises(FileNotFoundError, match=r"config.init_from=.*nowhere.*does not exist; name a trained workdir"):
+        checkpointing.load_matching_params(str(tmp_path / "nowhere"), {})
