@@ -16,12 +16,20 @@ import jax
 from absl import app, flags, logging
 from ml_collections import config_flags
 
+from detector import compilation_cache
 from detector.errors import ConfigError, TrainingError, WeightsFileError
 from input_pipeline import DatasetError
 from sharding import MeshError, distributed
 from sharding.distributed import DistributedError
 
 flags.DEFINE_bool("verbose", False, "Show full tracebacks for errors.")
+COMPILATION_CACHE_DIR = flags.DEFINE_string(
+    "compilation_cache_dir",
+    compilation_cache.default_directory(),
+    "Where compiled programs are kept, so a restarted or repeated run loads them instead of compiling: a local "
+    "path or a gs:// URL, shared by all hosts on a cluster. Empty turns the cache off. Default: "
+    "$JAX_COMPILATION_CACHE_DIR if set, else $XDG_CACHE_HOME/detector/jax_compilation_cache (~/.cache without it).",
+)
 
 # Errors that describe bad input, not bugs: reported as one line.
 USER_ERRORS = (
@@ -137,12 +145,16 @@ class _QuietLibraries(pylogging.Filter):
 
 
 def start(argv: Sequence[str], *, takes_arguments: bool = False) -> None:
-    """What every command does first: reject stray arguments, join the other processes, set up logging."""
+    """What every command does first: reject stray arguments, join the other processes, set up logging.
+
+    And, before anything compiles, point JAX at the compilation cache.
+    """
     if len(argv) > 1 and not takes_arguments:
         raise ConfigError(f"unexpected arguments: {' '.join(argv[1:])}; pass options as --flag=value")
     # Before anything touches the devices: join the other processes (flags or a detected cluster).
     distributed.initialize(distributed.options_from_flags())
     set_up_logging()
+    compilation_cache.use_compilation_cache(COMPILATION_CACHE_DIR.value)
 
 
 def set_up_logging() -> None:

@@ -24,7 +24,7 @@ import os
 from absl import flags
 from ml_collections import config_flags
 
-from detector import cli
+from detector import cli, compilation_cache
 from detector.errors import ConfigError
 from sharding import MeshError
 
@@ -52,6 +52,9 @@ def main(argv: list[str]) -> None:
             f"JAX started with {len(jax.devices())} devices before the plan could ask for "
             f"{_DEVICES.value}; run the plan as its own process"
         )
+    # Planning the same config again (another --device_memory_gb, a later
+    # search) loads the compiled steps instead of compiling them again.
+    compilation_cache.use_compilation_cache(cli.COMPILATION_CACHE_DIR.value)
     from detector.training.train_compile import print_plan
 
     print_plan(

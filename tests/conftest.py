@@ -21,6 +21,11 @@ assert jax.device_count() == 8, (
     "tests need 8 fake CPU devices; jax was imported before tests/conftest.py "
     f"set XLA_FLAGS (found {jax.device_count()} devices)"
 )
+# Commands the tests run (in-process or as subprocesses) keep the compilation
+# cache off, away from the user's ~/.cache, unless a test gives them one: an
+# empty JAX_COMPILATION_CACHE_DIR is --compilation_cache_dir's "off". Set after
+# importing jax, which has read its environment and stays without a cache here.
+os.environ.setdefault("JAX_COMPILATION_CACHE_DIR", "")
 
 
 # Modules that start real processes or compile many programs, longest first:
