@@ -6,6 +6,7 @@ saved by all); process 0 alone scores with pycocotools and writes files.
 
 from __future__ import annotations
 
+from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
 import jax
@@ -19,11 +20,30 @@ import sharding
 from detector.serving import coco_evaluation, drawing
 from detector.training import checkpointing, plots
 from detector.training.metric_writers import MetricWriter
-from input_pipeline import transforms
 from input_pipeline.progress import track
 
 # The metrics of eval_metrics.jsonl and the log line, in their order.
 LOGGED_METRICS = ("AP", "AP50", "AP75", "APs", "APm", "APl", "AR100")
+
+
+class EvaluationInterrupted(Exception):
+    """A stop was requested (a preemption signal) while an evaluation ran; it was abandoned, nothing recorded."""
+
+    def __init__(self, step: int, batches_done: int, num_batches: int):
+        super().__init__(f"evaluation of step {step} abandoned after {batches_done} of {num_batches} batches")
+        self.step = step
+
+
+def _until_stop(batches: Iterable, stop_requested: Callable[[], bool], step: int, num_batches: int) -> Iterator:
+    """`batches`, asking `stop_requested` before each one and once after the last (scoring can take minutes)."""
+    done = 0
+    if stop_requested():
+        raise EvaluationInterrupted(step, done, num_batches)
+    for batch in batches:
+        yield batch
+        done += 1
+        if stop_requested():
+            raise EvaluationInterrupted(step, done, num_batches)
 
 
 class Evaluator:
@@ -59,8 +79,14 @@ class Evaluator:
             int(config.eval_pictures), self._config, mesh, dataset_info.class_names, enabled=is_primary
         )
 
-    def __call__(self, step: int, params: Any) -> dict[str, float] | None:
+    def __call__(
+        self, step: int, params: Any, stop_requested: Callable[[], bool] = lambda: False
+    ) -> dict[str, float] | None:
         """Evaluates `params` (of training step `step`: the EMA ones when the run keeps an EMA).
+
+        `stop_requested` is asked before every batch, on every process at the
+        same points; when it says yes, the evaluation stops there and raises
+        `EvaluationInterrupted`, having recorded nothing.
 
         Returns the COCO metrics on process 0, else None.
         """
@@ -68,6 +94,13 @@ class Evaluator:
             self._config,
             first_row=input_pipeline.process_rows(self._batch_sharding, self._config.global_batch_size),
         )
+        if self._is_primary:
+            logging.info(
+                "evaluating step %d: %d batches of %d images",
+                step,
+                eval_iter.num_batches,
+                self._config.global_batch_size,
+            )
         batches = track(
             eval_iter.batches,
             f"eval at step {step}",
@@ -76,6 +109,7 @@ class Evaluator:
             log_every_s=60.0,
             enabled=self._is_primary,
         )
+        batches = _until_stop(batches, stop_requested, step, eval_iter.num_batches)
         global_batches = (input_pipeline.to_global_batch(b, self._mesh, self._batch_axes) for b in batches)
         metrics = coco_evaluation.evaluate(
             self._predict,
@@ -114,8 +148,6 @@ class _EvalPictures:
         self._count = count
         self._enabled = enabled
         self._class_names = class_names
-        options = transforms.TransformOptions.from_config(eval_config)
-        self._mean_rgb, self._std_rgb = options.mean_rgb, options.std_rgb
         self._batch = self._host_batch = None
         if self._count <= 0:
             return
@@ -138,8 +170,6 @@ class _EvalPictures:
             panels = drawing.prediction_panels(
                 self._host_batch,
                 jax.tree.map(np.asarray, outputs),
-                mean_rgb=self._mean_rgb,
-                std_rgb=self._std_rgb,
                 class_names=self._class_names,
             )
             writer.write_images(step, {"eval/predictions_vs_ground_truth": panels})

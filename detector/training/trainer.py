@@ -24,7 +24,7 @@ import sharding
 from detector.models import families
 from detector.models.weight_import import load_backbone_params
 from detector.training import checkpointing, optim, preemption, steps
-from detector.training.evaluator import Evaluator
+from detector.training.evaluator import EvaluationInterrupted, Evaluator
 from detector.training.metric_writers import MetricWriter
 from detector.training.monitors import DataReport, MetricWindow, NonFiniteSteps
 from detector.training.train_compile import log_step_plan
@@ -224,6 +224,7 @@ def _train_loop(
             "step", total_steps, unit="steps", log_every_s=None, enabled=is_primary, initial=start_step
         ) as progress,
     ):
+        saved_step = start_step
         for step in range(start_step + 1, total_steps + 1):
             wait_start = time.perf_counter()
             batch = input_pipeline.to_global_batch(next(train_iter), mesh, batch_axes)
@@ -232,7 +233,7 @@ def _train_loop(
             window.add_step(metrics)
             progress.update(step, **last_logged)
             # Every process asks after every step; all get the same answer.
-            stopped_early = watch.reached_stop_step(step) and step < total_steps
+            stopped_early = watch.stop_requested() and step < total_steps
             last = step == total_steps or stopped_early
 
             if step % config.log_every_steps == 0 or last:
@@ -244,6 +245,7 @@ def _train_loop(
                 window.restart()
             if step % config.checkpoint_every_steps == 0 or last:
                 checkpointing.save(manager, step, state, {"step": step, "input_position": train_iter.position})
+                saved_step = step
             if stopped_early:
                 logging.warning(
                     "stopping at step %d of %d on a preemption signal; the checkpoint of step %d is "
@@ -255,10 +257,30 @@ def _train_loop(
                 break
             if step % config.eval_every_steps == 0 or step == total_steps:
                 eval_start = time.perf_counter()
-                last_metrics = evaluate(step, evaluated_params(state))
+                try:
+                    last_metrics = evaluate(step, evaluated_params(state), watch.stop_requested)
+                except EvaluationInterrupted as interrupted:
+                    # Within a grace period the checkpoint matters, the evaluation does not: a
+                    # COCO evaluation can outlast it. The resumed run evaluates at its next eval step.
+                    stopped_early = True
+                    if saved_step != step:
+                        checkpointing.save(manager, step, state, {"step": step, "input_position": train_iter.position})
+                    logging.warning(
+                        "stopping at step %d of %d on a preemption signal: %s; the checkpoint of step %d is "
+                        "being written. Run the same command to resume.",
+                        step,
+                        total_steps,
+                        interrupted,
+                        step,
+                    )
+                    break
                 window.exclude(time.perf_counter() - eval_start)  # eval time is not training throughput
 
         if start_step >= total_steps:
             logging.info("workdir already holds a checkpoint at step %d >= total_steps; evaluating it", start_step)
-            last_metrics = evaluate(start_step, evaluated_params(state))
+            try:
+                last_metrics = evaluate(start_step, evaluated_params(state), watch.stop_requested)
+            except EvaluationInterrupted as interrupted:
+                logging.warning("stopping on a preemption signal: %s", interrupted)
+                stopped_early = True
     return state, last_metrics, stopped_early

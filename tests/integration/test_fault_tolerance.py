@@ -142,11 +142,20 @@ def saved_state(workdir, step):
     return jax.device_get(checkpointer.restore(path, target))
 
 
+def _dataset_generator(**overrides):
+    """Writes the tiny config's synthetic dataset (with `overrides`) into the directory it is given."""
+
+    def generate(path):
+        import input_pipeline
+
+        input_pipeline.get_dataset_info(make_config(path, **overrides))
+
+    return generate
+
+
 @pytest.fixture(scope="module")
 def data_dir(tmp_path_factory):
-    import input_pipeline
-
-    return once_per_run(tmp_path_factory, "data", lambda path: input_pipeline.get_dataset_info(make_config(path)))
+    return once_per_run(tmp_path_factory, "data", _dataset_generator())
 
 
 @pytest.fixture(scope="module")
@@ -304,6 +313,31 @@ def test_two_processes_train_like_one_and_stop_together_on_sigterm(reference, da
     final, expected = saved_state(tmp_path, TOTAL_STEPS), saved_state(reference, TOTAL_STEPS)
     for name, value in flat(expected["params"]).items():
         np.testing.assert_allclose(flat(final["params"])[name], value, rtol=1e-4, atol=2e-6, err_msg=name)
+
+
+def test_sigterm_during_an_evaluation_abandons_it_and_saves_the_current_step(cache_dir, tmp_path_factory, tmp_path):
+    # 512 validation images in 64 batches: an evaluation that outlasts the signal's delivery.
+    long_eval = {"dataset.num_eval_examples": 512}
+    data = once_per_run(tmp_path_factory, "data_long_eval", _dataset_generator(**long_eval))
+    command = train_command(data, tmp_path, checkpoint_every_steps=100, eval_every_steps=4, **long_eval)
+    runs = start_processes(command, 2, 4, cache_dir)
+    num_batches = int(runs[0].wait_for(r"evaluating step 4: (\d+) batches").group(1))
+    signalled = time.monotonic()
+    runs[1].kill(signal.SIGTERM)  # one host is told, mid-evaluation; both must abandon it at the same batch
+    pattern = r"evaluation of step 4 abandoned after (\d+) of (\d+) batches"
+    abandoned = [run.wait_for(pattern).groups() for run in runs]
+    assert [run.finish(timeout=60) for run in runs] == [0, 0], runs[0].output[-3000:] + runs[1].output[-3000:]
+    assert time.monotonic() - signalled < 30
+    assert abandoned[0] == abandoned[1], abandoned
+    assert int(abandoned[0][0]) < num_batches == int(abandoned[0][1])
+    assert checkpoint_steps(tmp_path) == [4]  # the current step, though no checkpoint was due there
+    assert not (tmp_path / "eval_metrics.jsonl").exists()  # nothing half-evaluated was recorded
+
+    runs = start_processes(command, 2, 4, cache_dir)
+    runs[0].wait_for(r"resuming from step 4\b")
+    assert [run.finish() for run in runs] == [0, 0], runs[0].output[-3000:] + runs[1].output[-3000:]
+    assert checkpoint_steps(tmp_path) == [4, TOTAL_STEPS]
+    assert [line["step"] for line in read_jsonl(tmp_path / "eval_metrics.jsonl")] == [TOTAL_STEPS]
 
 
 # ----------------------------------------------------------------------------

@@ -15,10 +15,11 @@ from detector.training.preemption import PreemptionWatch
 def test_a_signal_asks_for_a_stop_and_the_handlers_are_restored(signum):
     before = {s: signal.getsignal(s) for s in (signal.SIGTERM, signal.SIGINT)}
     with PreemptionWatch() as watch:
-        assert not watch.reached_stop_step(1)
+        assert not watch.stop_requested()
         os.kill(os.getpid(), signum)  # delivered before the next bytecode runs
-        assert watch.reached_stop_step(2)
+        assert watch.stop_requested()
         assert watch.received == signal.Signals(signum).name
+        assert watch.stop_requested()  # every later point too: an abandoned evaluation still ends in a stop
     assert {s: signal.getsignal(s) for s in before} == before
 
 
@@ -26,6 +27,6 @@ def test_a_second_interrupt_aborts_without_a_checkpoint():
     with PreemptionWatch() as watch:
         os.kill(os.getpid(), signal.SIGTERM)
         os.kill(os.getpid(), signal.SIGINT)  # a SIGTERM and one Ctrl-C: still one request to stop
-        assert watch.reached_stop_step(1)
+        assert watch.stop_requested()
         with pytest.raises(KeyboardInterrupt, match="second interrupt"):
             os.kill(os.getpid(), signal.SIGINT)
