@@ -12,7 +12,8 @@ BOXES_PER_IMAGE = 7  # COCO's average
 def random_batch(
     config, num_classes: int, seed: int = 0, boxes_per_image: int = BOXES_PER_IMAGE
 ) -> dict[str, np.ndarray]:
-    """One global batch of `config`: normalized images `[B, H, W, 3]`, yxyx pixel boxes, labels, masks."""
+    """One global batch of `config`: random uint8 images `[B, H, W, 3]` filling the frame, yxyx pixel boxes,
+    labels, masks."""
     rng = np.random.default_rng(seed)
     b = config.global_batch_size
     height, width = config.input.image_size
@@ -27,7 +28,8 @@ def random_batch(
     mask = np.arange(max_boxes)[None].repeat(b, 0) < k
     labels = np.where(mask, rng.integers(0, num_classes, size=(b, max_boxes)), -1)
     values = {
-        "image": rng.normal(size=spec["image"].shape),
+        "image": rng.integers(0, 256, size=spec["image"].shape),
+        "image_hw": np.broadcast_to((height, width), spec["image_hw"].shape),
         "boxes": boxes,
         "labels": labels,
         "boxes_mask": mask,

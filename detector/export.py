@@ -5,13 +5,14 @@
 
 Writes, under `--output` (default `WORKDIR/export/jax`):
   model.jax_exported  the detection program with its parameters as constants:
-                      images float32 [B, H, W, 3] (eval-transformed) -> boxes
-                      [B, D, 4] yxyx network pixels, scores [B, D], classes
-                      [B, D] int32, valid [B, D] bool; runs on CPU and CUDA GPUs
+                      images uint8 [B, H, W, 3] (eval-transformed, not
+                      normalised) and image_hw int32 [B, 2] -> boxes [B, D, 4]
+                      yxyx network pixels, scores [B, D], classes [B, D] int32,
+                      valid [B, D] bool; runs on CPU and CUDA GPUs
   model.json          preprocessing (image size, mean/std, resize rule), class
                       names, label -> category id, output shapes, step, JAX version
 Load it with `detector.serving.artifact.load_artifact(DIR).predict(images)`, or
-anywhere with `jax.export.deserialize(bytes).call(images)`. The detection
+anywhere with `jax.export.deserialize(bytes).call(images, image_hw)`. The detection
 settings baked in are the config's `postprocess` ones; change them with
 e.g. `--config.postprocess.score_threshold=0.3`.
 

@@ -4,7 +4,8 @@ A batch of B examples is a dict of arrays, each the example's array with B in
 front. (H, W) is `input.image_size` and M is `input.max_boxes`:
 
   key            dtype    shape          meaning (units)                         empty example
-  image          float32  [B, H, W, 3]   (pixel - mean_rgb) / std_rgb, RGB       0
+  image          uint8    [B, H, W, 3]   RGB pixels (0-255), image top-left      0
+  image_hw       int32    [B, 2]         (h, w) of the image in `image`, pixels  0
   boxes          float32  [B, M, 4]      y0, x0, y1, x1, network-input pixels    0
   labels         int32    [B, M]         contiguous class labels, -1 = padding   -1
   boxes_mask     bool     [B, M]         True for a real box                     False
@@ -12,6 +13,11 @@ front. (H, W) is `input.image_size` and M is `input.max_boxes`:
   scale          float32  [B]            network-input px per original px        1 (safe to divide by)
   original_size  int32    [B, 2]         (h, w) of the original image, pixels    0
   example_mask   bool     [B]            False for padding and undecodable ones  False
+
+Images travel as uint8, a quarter of float32's host-to-device bytes; the
+jitted steps normalise them on the device with input.mean_rgb/std_rgb, where
+everything outside the top-left image_hw is padding and becomes 0 (the mean
+colour after normalisation), whatever its bytes hold.
 
 The input pipeline yields one per process (B = global_batch_size // process
 count), benchmarks make random ones, and the jitted steps are compiled for
@@ -48,7 +54,8 @@ class Field:
 
 
 FIELDS: dict[str, Field] = {
-    "image": Field(np.dtype(np.float32), lambda image_size, max_boxes: (*image_size, 3), 0.0),
+    "image": Field(np.dtype(np.uint8), lambda image_size, max_boxes: (*image_size, 3), 0),
+    "image_hw": Field(np.dtype(np.int32), lambda image_size, max_boxes: (2,), 0),
     "boxes": Field(np.dtype(np.float32), lambda image_size, max_boxes: (max_boxes, 4), 0.0),
     "labels": Field(np.dtype(np.int32), lambda image_size, max_boxes: (max_boxes,), -1),
     "boxes_mask": Field(np.dtype(np.bool_), lambda image_size, max_boxes: (max_boxes,), False),

@@ -22,7 +22,6 @@ target, optional colour jitter; boxes follow the pixels through every step.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Sequence
 
 import tensorflow as tf
 
@@ -38,8 +37,6 @@ class TransformOptions:
       max_boxes: boxes per example after padding/truncation.
       scale_jitter: (min, max) random factor on the fit-to-target scale.
       horizontal_flip: whether training flips with probability 1/2.
-      mean_rgb: per-channel mean, 0-255 units.
-      std_rgb: per-channel standard deviation, 0-255 units.
       min_box_size: boxes smaller than this (pixels, either side) after
         crop/clip are dropped in training.
       min_visible_fraction: in training, a box whose visible (clipped) area is
@@ -53,8 +50,6 @@ class TransformOptions:
     max_boxes: int
     scale_jitter: tuple[float, float] = (1.0, 1.0)
     horizontal_flip: bool = True
-    mean_rgb: tuple[float, float, float] = (0.0, 0.0, 0.0)
-    std_rgb: tuple[float, float, float] = (1.0, 1.0, 1.0)
     min_box_size: float = 0.0
     min_visible_fraction: float = 0.0
     color_jitter: float = 0.0
@@ -78,8 +73,6 @@ class TransformOptions:
             max_boxes=int(inp.max_boxes),
             scale_jitter=jitter,
             horizontal_flip=bool(inp.horizontal_flip),
-            mean_rgb=tuple(float(v) for v in inp.mean_rgb),
-            std_rgb=tuple(float(v) for v in inp.std_rgb),
             min_box_size=float(inp.min_box_size),
             min_visible_fraction=min_visible,
             color_jitter=color_jitter,
@@ -138,10 +131,9 @@ def random_horizontal_flip(image: tf.Tensor, boxes: tf.Tensor, seed: tf.Tensor) 
     return image, boxes
 
 
-def normalize_image(image: tf.Tensor, mean_rgb: Sequence[float], std_rgb: Sequence[float]) -> tf.Tensor:
-    """(image - mean) / std in float32; mean/std in 0-255 units."""
-    image = tf.cast(image, tf.float32)
-    return (image - tf.constant(mean_rgb, tf.float32)) / tf.constant(std_rgb, tf.float32)
+def to_pixels(image: tf.Tensor) -> tf.Tensor:
+    """float32 0-255 image -> uint8, rounded to the nearest grey level (what the batch carries)."""
+    return tf.cast(tf.clip_by_value(tf.round(image), 0.0, 255.0), tf.uint8)
 
 
 # Folded into the example seed for the colour jitter, so the four geometric
@@ -194,7 +186,7 @@ def _resize(image: tf.Tensor, scale: tf.Tensor, max_size=None):
     if max_size is not None:
         new_hw = tf.minimum(new_hw, tf.constant(max_size, tf.int32))
     # Antialiasing matters when large photos are shrunk to network size.
-    image = tf.image.resize(tf.cast(image, tf.float32), new_hw, method=tf.image.ResizeMethod.BILINEAR, antialias=True)
+    image = tf.image.resize(image, new_hw, method=tf.image.ResizeMethod.BILINEAR, antialias=True)
     return image, new_hw
 
 
@@ -211,7 +203,7 @@ def _resize_window(image: tf.Tensor, new_hw: tf.Tensor, offset_yx: tf.Tensor, wi
     """
     hw = tf.cast(tf.shape(image)[:2], tf.float32)
     window = tf.raw_ops.ScaleAndTranslate(
-        images=tf.cast(image, tf.float32)[None],
+        images=image[None],  # uint8 in, float32 out: no float copy of the whole source image
         size=window_hw,
         scale=tf.cast(new_hw, tf.float32) / hw,
         translation=-tf.cast(offset_yx, tf.float32),
@@ -273,11 +265,12 @@ def _clip_boxes(boxes: tf.Tensor, height, width) -> tf.Tensor:
     return box_geometry.clip(boxes, tf.cast(height, tf.float32), tf.cast(width, tf.float32), xp=tf)
 
 
-def _finish(image, boxes, labels, image_id, scale, original_hw, opts: TransformOptions) -> dict:
+def _finish(image, image_hw, boxes, labels, image_id, scale, original_hw, opts: TransformOptions) -> dict:
     truncated = tf.shape(boxes)[0] > opts.max_boxes
     boxes, labels, mask = pad_boxes(boxes, labels, opts.max_boxes)
     return {
         "image": tf.ensure_shape(image, [*opts.image_size, 3]),
+        "image_hw": tf.ensure_shape(tf.cast(image_hw, tf.int32), [2]),
         "boxes": boxes,
         "labels": labels,
         "boxes_mask": mask,
@@ -294,10 +287,10 @@ def train_transform(example: dict, seed: tf.Tensor, opts: TransformOptions) -> d
 
     The image is resized so it fits (H, W) times a random factor from
     opts.scale_jitter (aspect kept), then a random (H, W) window is cropped
-    where it is larger and zeros (the mean colour after normalization) are
-    padded bottom/right where it is smaller. With opts.color_jitter > 0 the
-    visible pixels get random_color_jitter (0-255 units, before
-    normalization; padding stays zero). Boxes follow the pixels exactly, are
+    where it is larger and zeros are padded bottom/right where it is
+    smaller. With opts.color_jitter > 0 the visible pixels get
+    random_color_jitter. Pixels stay uint8 0-255 (rounded after the resize
+    and the jitter); the steps normalise them on the device. Boxes follow the pixels exactly, are
     clipped to the visible image, and are dropped when less than
     opts.min_visible_fraction of their area is visible or when smaller than
     opts.min_box_size; the first max_boxes survivors are kept.
@@ -308,8 +301,8 @@ def train_transform(example: dict, seed: tf.Tensor, opts: TransformOptions) -> d
       opts: static settings.
 
     Returns:
-      {'image': float32 [H, W, 3] normalized ((x - mean_rgb) / std_rgb, 0 in
-       padding), 'boxes': float32 [max_boxes, 4] y0, x0, y1, x1 in network
+      {'image': uint8 [H, W, 3] RGB (zeros in the padding), 'image_hw':
+       int32 [2] (h, w) of the image at the top-left, 'boxes': float32 [max_boxes, 4] y0, x0, y1, x1 in network
        pixels (zeros as padding), 'labels': int32 [max_boxes] (-1 as padding),
        'boxes_mask': bool [max_boxes] (True = real box), 'boxes_truncated':
        bool [] (True when more than max_boxes boxes survived and the rest were
@@ -344,9 +337,7 @@ def train_transform(example: dict, seed: tf.Tensor, opts: TransformOptions) -> d
     if opts.color_jitter > 0:
         color_seed = tf.random.experimental.stateless_fold_in(seed, _COLOR_SEED_TAG)
         image = random_color_jitter(image, color_seed, opts.color_jitter)
-    # Per-pixel, so normalizing after the crop equals normalizing before it.
-    image = normalize_image(image, opts.mean_rgb, opts.std_rgb)
-    image = tf.image.pad_to_bounding_box(image, 0, 0, out_h, out_w)
+    image = tf.image.pad_to_bounding_box(to_pixels(image), 0, 0, out_h, out_w)
     offset = tf.cast(tf.stack([off_y, off_x, off_y, off_x]), tf.float32)
     boxes = boxes - offset[None, :]
     clipped = _clip_boxes(boxes, visible_h, visible_w)
@@ -355,11 +346,12 @@ def train_transform(example: dict, seed: tf.Tensor, opts: TransformOptions) -> d
     else:
         boxes = clipped
     boxes, labels = drop_small_boxes(boxes, labels, opts.min_box_size)
-    return _finish(image, boxes, labels, example["image_id"], scale, original_hw, opts)
+    image_hw = tf.stack([visible_h, visible_w])
+    return _finish(image, image_hw, boxes, labels, example["image_id"], scale, original_hw, opts)
 
 
 def eval_transform(example: dict, opts: TransformOptions) -> dict:
-    """Deterministic resize to fit opts.image_size, pad bottom/right, normalize.
+    """Deterministic resize to fit opts.image_size, round to uint8, pad bottom/right with zeros.
 
     The scale is min(H / h, W / w), i.e. the longer side (relative to the
     target) fills the target; boxes are multiplied by exactly `scale`, so
@@ -376,8 +368,7 @@ def eval_transform(example: dict, opts: TransformOptions) -> dict:
     hw = tf.cast(original_hw, tf.float32)
     scale = tf.minimum(out_h / hw[0], out_w / hw[1])
     image, new_hw = _resize(image, scale, max_size=(out_h, out_w))
-    image = normalize_image(image, opts.mean_rgb, opts.std_rgb)
-    image = tf.image.pad_to_bounding_box(image, 0, 0, out_h, out_w)
+    image = tf.image.pad_to_bounding_box(to_pixels(image), 0, 0, out_h, out_w)
     boxes = _clip_boxes(boxes * scale, out_h, out_w)
     boxes, labels = drop_small_boxes(boxes, labels, 0.0)
-    return _finish(image, boxes, labels, example["image_id"], scale, original_hw, opts)
+    return _finish(image, new_hw, boxes, labels, example["image_id"], scale, original_hw, opts)

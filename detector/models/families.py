@@ -28,6 +28,7 @@ from detector.models.dino import Dino, encoder_proposals
 from detector.models.necks import ChannelMapper, SimpleFeaturePyramid
 from detector.ops import anchors as anchors_lib
 from detector.ops import denoising, losses, matching, postprocess
+from detector.ops import images as images_lib
 
 FAMILIES = ("retinanet", "dino")
 
@@ -41,14 +42,16 @@ class Objective:
       `num_positives` (the count the loss is divided by), and maybe more
       parts. With `normalizer` the sums are divided by it instead (1: plain
       sums, for gradient accumulation over micro-batches).
-    detect: `(params, images [B, H, W, 3]) -> dict` of boxes float32
+    detect: `(params, images, image_hw) -> dict` of boxes float32
       `[B, D, 4]` yxyx in network-input pixels, scores `[B, D]`, classes
       int32 `[B, D]` and valid bool `[B, D]`; D = `postprocess.max_detections`.
+      Images are the batch's uint8 `[B, H, W, 3]`, image_hw its int32
+      `[B, 2]` (see input_pipeline.batch): both functions normalise on the device.
     outputs_per_image: anchors or queries, for logs.
     """
 
     loss: Callable[..., tuple[jax.Array, dict[str, jax.Array]]]
-    detect: Callable[[Any, jax.Array], dict[str, jax.Array]]
+    detect: Callable[[Any, jax.Array, jax.Array], dict[str, jax.Array]]
     outputs_per_image: str
 
 
@@ -124,8 +127,34 @@ def create_dino(config, num_classes: int) -> Dino:
 def objective(config, model: nn.Module, num_classes: int) -> Objective:
     """The loss and detection functions of `model`, built by `create_model(config, num_classes)`."""
     if family_of(config.model) == "retinanet":
-        return _retinanet_objective(config, model, num_classes)
-    return _dino_objective(config, model, num_classes)
+        family = _retinanet_objective(config, model, num_classes)
+    else:
+        family = _dino_objective(config, model, num_classes)
+    mean_rgb, std_rgb = _normalization(config.input)
+
+    def network_images(images, image_hw):
+        return images_lib.normalize_images(images, image_hw, mean_rgb, std_rgb)
+
+    def loss(params, batch, rng=None, normalizer=None):
+        batch = {**batch, "image": network_images(batch["image"], batch["image_hw"])}
+        return family.loss(params, batch, rng, normalizer)
+
+    def detect(params, images, image_hw):
+        return family.detect(params, network_images(images, image_hw))
+
+    return Objective(loss=loss, detect=detect, outputs_per_image=family.outputs_per_image)
+
+
+def _normalization(input_config) -> tuple[tuple[float, ...], tuple[float, ...]]:
+    """`input.mean_rgb` and `input.std_rgb`, checked: three values each, every std > 0 (0-255 units)."""
+    mean_rgb = tuple(float(v) for v in input_config.mean_rgb)
+    std_rgb = tuple(float(v) for v in input_config.std_rgb)
+    if len(mean_rgb) != 3 or len(std_rgb) != 3 or not all(v > 0 for v in std_rgb):
+        raise ConfigError(
+            f"input.mean_rgb={mean_rgb} and input.std_rgb={std_rgb}: give three values each (R, G, B, 0-255 "
+            "units), every std > 0, e.g. (123.675, 116.28, 103.53) and (58.395, 57.12, 57.375)"
+        )
+    return mean_rgb, std_rgb
 
 
 def _retinanet_objective(config, model: nn.Module, num_classes: int) -> Objective:

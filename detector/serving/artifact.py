@@ -1,14 +1,14 @@
 """A trained detector as one self-contained file: a serialized `jax.export` (StableHLO) program.
 
 `export_predictor` turns a loaded `Predictor` into a `jax.export.Exported`
-of `images -> detections` with the parameters baked in as constants, for
+of `(images, image_hw) -> detections` with the parameters baked in as constants, for
 both XLA:CPU and CUDA GPUs (one artifact runs on either). `write_artifact`
 saves it next to a JSON file that says everything a user needs without this
 project's config: how to preprocess an image, what the outputs are, which
 class each label is. `load_artifact` reads both back and predicts on
 images of any size the way `python -m detector.predict` does (through the
 same eval transform, so the resize is identical); the program itself needs
-only JAX: `jax.export.deserialize(bytes).call(images)`.
+only JAX: `jax.export.deserialize(bytes).call(images, image_hw)`.
 
   DIR/model.jax_exported  `Exported.serialize()` bytes; `jax.export.deserialize`
                           restores it in any process with a compatible JAX
@@ -39,7 +39,8 @@ METADATA_FILE = "model.json"
 # Lowering for "cuda" needs no GPU: one artifact serves both kinds of machine.
 PLATFORMS = ("cpu", "cuda")
 OUTPUT_NAMES = ("boxes", "scores", "classes", "valid")
-FORMAT_VERSION = 1
+# 2: uint8 images and their sizes in, normalised inside the program (1 took normalised float32 images).
+FORMAT_VERSION = 2
 
 
 def _host_params(params: Any) -> Any:
@@ -50,21 +51,23 @@ def _host_params(params: Any) -> Any:
     return jax.device_get(params)
 
 
-def detection_function(predictor: Predictor) -> Callable[[jax.Array], dict[str, jax.Array]]:
-    """`images -> detections` with the predictor's parameters closed over as host constants.
+def detection_function(predictor: Predictor) -> Callable[[jax.Array, jax.Array], dict[str, jax.Array]]:
+    """`(images, image_hw) -> detections` with the predictor's parameters closed over as host constants.
 
-    The function maps images float32 `[B, H, W, 3]` (the eval transform's
-    output: resized, normalized, zero-padded bottom/right) to boxes float32
+    The function maps images uint8 `[B, H, W, 3]` (the eval transform's
+    output: resized, rounded, padded bottom/right) and image_hw int32
+    `[B, 2]` (each image's (h, w) inside the padding) to boxes float32
     `[B, D, 4]` yxyx in network-input pixels, scores float32 `[B, D]`
     (descending), classes int32 `[B, D]` (contiguous labels) and valid bool
-    `[B, D]`; D is `config.postprocess.max_detections`.
+    `[B, D]`; D is `config.postprocess.max_detections`. It normalises the
+    pixels itself, as the train and predict steps do.
     """
     config = predictor.config
     params = _host_params(predictor.params)
     family_detect = families.objective(config, predictor.model, predictor.dataset_info.num_classes).detect
 
-    def detect(images: jax.Array) -> dict[str, jax.Array]:
-        outputs = family_detect(params, images)
+    def detect(images: jax.Array, image_hw: jax.Array) -> dict[str, jax.Array]:
+        outputs = family_detect(params, images, image_hw)
         return {name: outputs[name] for name in OUTPUT_NAMES}
 
     return detect
@@ -81,8 +84,9 @@ def export_predictor(
 ) -> jax.export.Exported:
     """Exports the predictor's detection for fixed batches of `batch_size` images.
 
-    The exported program takes images float32 `[batch_size, H, W, 3]` (H, W =
-    `config.input.image_size`; see `detection_function` for what they hold)
+    The exported program takes images uint8 `[batch_size, H, W, 3]` (H, W =
+    `config.input.image_size`) and image_hw int32 `[batch_size, 2]` (see
+    `detection_function` for what they hold)
     and returns `{"boxes", "scores", "classes", "valid"}` as
     `detection_function` describes. The parameters are constants inside the
     program, so the serialized artifact stands alone; the program runs on one
@@ -91,18 +95,19 @@ def export_predictor(
     """
     batch_size = _check_batch_size(batch_size)
     height, width = predictor.config.input.image_size
-    images = jax.ShapeDtypeStruct((batch_size, int(height), int(width), 3), jnp.float32)
+    images = jax.ShapeDtypeStruct((batch_size, int(height), int(width), 3), jnp.uint8)
+    image_hw = jax.ShapeDtypeStruct((batch_size, 2), jnp.int32)
     detect = detection_function(predictor)
     # No sharding rules while tracing: the model's logical constraints become
     # no-ops and the program is a plain single-device one.
     with nn.logical_axis_rules(()):
-        return jax.export.export(jax.jit(detect), platforms=tuple(platforms))(images)
+        return jax.export.export(jax.jit(detect), platforms=tuple(platforms))(images, image_hw)
 
 
 def artifact_metadata(exported: jax.export.Exported, predictor: Predictor) -> dict[str, Any]:
     """model.json's content: what a user of the artifact needs to know, in plain JSON types."""
     config = predictor.config
-    (images,) = exported.in_avals
+    images, image_hw = exported.in_avals
     batch_size, height, width, _ = images.shape
     outputs = jax.tree.unflatten(exported.out_tree, exported.out_avals)
     info = predictor.dataset_info
@@ -121,13 +126,15 @@ def artifact_metadata(exported: jax.export.Exported, predictor: Predictor) -> di
             "shape": list(images.shape),
             "dtype": str(images.dtype),
             "image_size": [int(height), int(width)],
-            "mean_rgb": [float(v) for v in config.input.mean_rgb],
-            "std_rgb": [float(v) for v in config.input.std_rgb],
+            "sizes": {"name": "image_hw", "shape": list(image_hw.shape), "dtype": str(image_hw.dtype)},
             "preprocessing": (
                 "RGB image h x w (0-255); scale = min(H / h, W / w); resize to (round(h * scale), "
-                "round(w * scale)) (bilinear, antialiased, TF2 half-pixel centres); (pixel - mean_rgb) / "
-                "std_rgb; pad bottom/right with 0 to H x W"
+                "round(w * scale)) (bilinear, antialiased, TF2 half-pixel centres); round to uint8; pad "
+                "bottom/right to H x W (any value); image_hw = the resized (h, w)"
             ),
+            # Applied inside the program; for information.
+            "mean_rgb": [float(v) for v in config.input.mean_rgb],
+            "std_rgb": [float(v) for v in config.input.std_rgb],
         },
         "outputs": {name: {"shape": list(aval.shape), "dtype": str(aval.dtype)} for name, aval in outputs.items()},
         "output_meaning": {
@@ -211,12 +218,7 @@ class ExportedDetector:
     def transform_options(self) -> transforms.TransformOptions:
         """The eval transform's settings the artifact was exported with."""
         spec = self.metadata["input"]
-        return transforms.TransformOptions(
-            image_size=tuple(spec["image_size"]),
-            max_boxes=1,
-            mean_rgb=tuple(spec["mean_rgb"]),
-            std_rgb=tuple(spec["std_rgb"]),
-        )
+        return transforms.TransformOptions(image_size=tuple(spec["image_size"]), max_boxes=1)
 
     def predict(self, images: Sequence[np.ndarray]) -> list[dict[str, np.ndarray]]:
         """Detections per image, in its original pixels.
@@ -234,13 +236,17 @@ class ExportedDetector:
                 raise ValueError(f"image {index}: expected uint8 [h, w, 3] RGB, got {image.dtype} {image.shape}")
         opts = self.transform_options()
         rows = [network_input(image, index, opts) for index, image in enumerate(images)]
-        blank = np.zeros_like(rows[0]["image"]) if rows else None
+        blank = {key: np.zeros_like(rows[0][key]) for key in ("image", "image_hw")} if rows else None
         results: list[dict[str, np.ndarray]] = []
         for first in range(0, len(rows), self.batch_size):
             chunk = rows[first : first + self.batch_size]
             # The program's batch size is fixed: the last batch is filled with blank images.
-            images_batch = np.stack([row["image"] for row in chunk] + [blank] * (self.batch_size - len(chunk)))
-            outputs = jax.device_get(self.exported.call(images_batch))
+            filled = chunk + [blank] * (self.batch_size - len(chunk))
+            outputs = jax.device_get(
+                self.exported.call(
+                    np.stack([row["image"] for row in filled]), np.stack([row["image_hw"] for row in filled])
+                )
+            )
             for i, row in enumerate(chunk):
                 keep = outputs["valid"][i]
                 height, width = (float(v) for v in row["original_size"])
@@ -264,5 +270,10 @@ def load_artifact(directory: str | epath.PathLike) -> ExportedDetector:
                 f"{directory / name} does not exist: export a model there first (python -m detector.export)"
             )
     metadata = json.loads((directory / METADATA_FILE).read_text())
+    if metadata.get("format_version") != FORMAT_VERSION:
+        raise ConfigError(
+            f"{directory} holds an artifact of format {metadata.get('format_version')}; this version reads format "
+            f"{FORMAT_VERSION} (uint8 images in): export the model again with python -m detector.export"
+        )
     exported = jax.export.deserialize(bytearray((directory / EXPORTED_FILE).read_bytes()))
     return ExportedDetector(exported=exported, metadata=metadata)

@@ -269,19 +269,16 @@ def prediction_panels(
     batch: dict[str, np.ndarray],
     outputs: dict[str, np.ndarray],
     *,
-    mean_rgb,
-    std_rgb,
     class_names=None,
     score_threshold: float = 0.3,
 ) -> np.ndarray:
     """ "predictions | ground truth" pictures of a batch as the network saw it.
 
     Args:
-      batch: host numpy of an eval batch: image `[B, H, W, 3]` normalized,
-        boxes `[B, M, 4]` yxyx network pixels, labels / boxes_mask `[B, M]`,
-        scale `[B]`, original_size `[B, 2]`, example_mask `[B]`.
+      batch: host numpy of an eval batch: image uint8 `[B, H, W, 3]`,
+        image_hw `[B, 2]`, boxes `[B, M, 4]` yxyx network pixels, labels /
+        boxes_mask `[B, M]`, example_mask `[B]`.
       outputs: `steps.predict_step`'s outputs for it (boxes in network pixels).
-      mean_rgb, std_rgb: the normalization to undo (0-255 units).
       score_threshold: predictions below it are not drawn.
     Returns:
       uint8 `[N, H', W' * 2 + gap, 3]`, one panel per real example, cropped to
@@ -289,10 +286,8 @@ def prediction_panels(
     """
     panels = []
     for i in np.flatnonzero(batch["example_mask"]):
-        height, width = np.ceil(np.asarray(batch["original_size"][i], np.float64) * batch["scale"][i]).astype(int)
-        height, width = max(1, min(height, batch["image"].shape[1])), max(1, min(width, batch["image"].shape[2]))
-        pixels = batch["image"][i, :height, :width] * np.asarray(std_rgb) + np.asarray(mean_rgb)
-        image = np.clip(np.round(pixels), 0, 255).astype(np.uint8)
+        height, width = (max(1, int(v)) for v in batch["image_hw"][i])
+        image = np.asarray(batch["image"][i, :height, :width], np.uint8)
         keep = outputs["valid"][i] & (outputs["scores"][i] >= score_threshold)
         predicted = draw_detections(
             image, outputs["boxes"][i][keep], outputs["classes"][i][keep], outputs["scores"][i][keep], class_names

@@ -265,12 +265,12 @@ def read_image(path: epath.Path) -> np.ndarray | None:
 
 
 def network_input(image: np.ndarray, image_id: int, opts: transforms.TransformOptions) -> dict[str, np.ndarray]:
-    """The eval transform of one image (resize to fit, pad, normalize): one example of the batch layout, as numpy.
+    """The eval transform of one image (resize to fit, round, pad): one example of the batch layout, as numpy.
 
     Returns:
       {key: array} for every key of input_pipeline.batch, shapes without the batch dimension: image
-      float32 [H, W, 3] normalized, boxes float32 [max_boxes, 4] all padding (zeros), scale float32 []
-      network px per original px, ...
+      uint8 [H, W, 3], image_hw int32 [2] the resized image's (h, w), boxes float32 [max_boxes, 4] all
+      padding (zeros), scale float32 [] network px per original px, ...
     """
     example = {
         "image": image,

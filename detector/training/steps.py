@@ -152,7 +152,7 @@ def train_step(
 
 
 def predict_step(
-    params, batch: dict[str, jax.Array], *, detect: Callable[[Any, jax.Array], dict[str, jax.Array]]
+    params, batch: dict[str, jax.Array], *, detect: Callable[[Any, jax.Array, jax.Array], dict[str, jax.Array]]
 ) -> dict[str, Any]:
     """Detections in network-input pixels plus the batch fields needed to map them back.
 
@@ -162,7 +162,7 @@ def predict_step(
     through.
     """
     return {
-        **detect(params, batch["image"]),
+        **detect(params, batch["image"], batch["image_hw"]),
         "image_id": batch["image_id"],
         "scale": batch["scale"],
         "original_size": batch["original_size"],

@@ -30,7 +30,8 @@ def test_spec_matches_the_documented_layout():
     spec = batch_layout.batch_spec(4, (48, 56), 8)
     assert list(spec) == list(batch_layout.KEYS)
     assert spec == {
-        "image": ((4, 48, 56, 3), np.float32),
+        "image": ((4, 48, 56, 3), np.uint8),
+        "image_hw": ((4, 2), np.int32),
         "boxes": ((4, 8, 4), np.float32),
         "labels": ((4, 8), np.int32),
         "boxes_mask": ((4, 8), np.bool_),

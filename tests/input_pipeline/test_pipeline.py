@@ -27,7 +27,8 @@ def _take(iterator, n):
 def test_train_batch_shapes_and_dtypes(data_dir):
     batch = next(input_pipeline.create_train_iterator(make_config(data_dir)))
     expected = {
-        "image": ((8, *NET, 3), np.float32),
+        "image": ((8, *NET, 3), np.uint8),
+        "image_hw": ((8, 2), np.int32),
         "boxes": ((8, MAX_BOXES, 4), np.float32),
         "labels": ((8, MAX_BOXES), np.int32),
         "boxes_mask": ((8, MAX_BOXES), np.bool_),
@@ -53,8 +54,11 @@ def test_train_batch_shapes_and_dtypes(data_dir):
     assert len(set(batch["scale"].tolist())) == 8
     assert (batch["scale"] >= 0.75 * 0.8 - 1e-6).all()
     assert (batch["scale"] <= 0.75 * 1.25 + 1e-6).all()
-    # Normalized: roughly zero-mean, unit-scale pixels.
-    assert abs(batch["image"].mean()) < 1.0 and 0.2 < batch["image"].std() < 2.0
+    # Pixels, not normalised: images of shapes on a background, zeros beyond each image's size.
+    assert 20 < batch["image"].std() < 128
+    assert (batch["image_hw"] >= 1).all() and (batch["image_hw"] <= NET).all()
+    for image, (height, width) in zip(batch["image"], batch["image_hw"]):
+        assert not image[height:].any() and not image[:, width:].any()
 
 
 def test_train_is_deterministic_per_seed(data_dir):

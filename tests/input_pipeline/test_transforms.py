@@ -9,13 +9,9 @@ import tensorflow as tf
 
 from input_pipeline import transforms
 
-RAW = dict(mean_rgb=(0.0, 0.0, 0.0), std_rgb=(1.0, 1.0, 1.0))  # identity norm
-
 
 def _opts(**kw):
-    base = dict(
-        image_size=(64, 64), max_boxes=8, scale_jitter=(1.0, 1.0), horizontal_flip=False, min_box_size=0.0, **RAW
-    )
+    base = dict(image_size=(64, 64), max_boxes=8, scale_jitter=(1.0, 1.0), horizontal_flip=False, min_box_size=0.0)
     base.update(kw)
     return transforms.TransformOptions(**base)
 
@@ -98,7 +94,7 @@ def test_train_transform_boxes_follow_pixels(hw):
     for s in range(16):
         out = transforms.train_transform(ex, tf.constant([s, 1], tf.int64), opts)
         image = out["image"].numpy()
-        assert image.shape == (64, 64, 3) and image.dtype == np.float32
+        assert image.shape == (64, 64, 3) and image.dtype == np.uint8
         mask = out["boxes_mask"].numpy()
         for box, keep, label in zip(out["boxes"].numpy(), mask, out["labels"].numpy()):
             if not keep:
@@ -204,26 +200,25 @@ def test_eval_transform_tall_image_pads_right():
     assert not image[:, 16:].any() and (image[:, :16] > 127).all()
 
 
-def test_normalization_and_determinism():
+def test_pixels_stay_uint8_and_the_transforms_are_deterministic():
     ex = _example(64, 64, [[0, 0, 32, 32]])
-    opts = _opts(mean_rgb=(100.0, 50.0, 0.0), std_rgb=(2.0, 5.0, 255.0), scale_jitter=(0.7, 1.4), horizontal_flip=True)
+    opts = _opts(scale_jitter=(0.7, 1.4), horizontal_flip=True)
     a = transforms.train_transform(ex, tf.constant([3, 9]), opts)
     b = transforms.train_transform(ex, tf.constant([3, 9]), opts)
     c = transforms.train_transform(ex, tf.constant([4, 9]), opts)
     for k in a:
         np.testing.assert_array_equal(a[k], b[k])
     assert not np.array_equal(a["image"], c["image"])
-    # Without jitter the 64x64 image maps 1:1; black pixels -> -mean/std.
+    # Without jitter the 64x64 image maps 1:1, pixel for pixel.
     out = transforms.eval_transform(ex, opts)
-    np.testing.assert_allclose(out["image"][40, 40], [-50.0, -10.0, 0.0])
-    np.testing.assert_allclose(out["image"][5, 5], [155 / 2, 205 / 5, 1.0], rtol=1e-6)
+    assert out["image"].dtype == tf.uint8
+    np.testing.assert_array_equal(out["image"], ex["image"])
+    np.testing.assert_array_equal(out["image_hw"], [64, 64])
 
 
 # --- Large-scale jitter, visibility, colour jitter, truncation, config. ---
 
 BG = 60  # Background grey of _channel_example.
-MEAN = (120.0, 110.0, 100.0)
-STD = (50.0, 60.0, 70.0)
 
 
 def _channel_example(h, w, rects):
@@ -253,7 +248,7 @@ def test_lsj_boxes_follow_pixels_with_zoom_out_and_zoom_in(hw):
     # end at the content edge, not in the padding.
     rects = [[4, 6, h // 2, w // 2], [h // 2 + 2, 3, h - 3, w // 3 + 4], [6, w // 2 + 5, h + 4, w + 3]]
     ex = _channel_example(h, w, rects)
-    opts = _opts(scale_jitter=(0.1, 2.0), horizontal_flip=True, mean_rgb=MEAN, std_rgb=STD)
+    opts = _opts(scale_jitter=(0.1, 2.0), horizontal_flip=True)
     seen_zoom_out = seen_zoom_in = False
     for s in range(24):
         out = transforms.train_transform(ex, tf.constant([s, 5], tf.int64), opts)
@@ -261,12 +256,13 @@ def test_lsj_boxes_follow_pixels_with_zoom_out_and_zoom_in(hw):
         assert image.shape == (64, 64, 3)
         new_h, new_w = _content_size(out, h, w)
         ch, cw = min(new_h, 64), min(new_w, 64)
-        # Padding (bottom/right) is exactly the normalized mean; content is not.
+        # Padding (bottom/right) is zeros and image_hw says where it starts; content (grey BG) is not zero.
+        np.testing.assert_array_equal(out["image_hw"], [ch, cw])
         assert not image[ch:].any() and not image[:, cw:].any()
-        assert np.abs(image[:ch, :cw]).sum(-1).all()
+        assert image[:ch, :cw].sum(-1).all()
         seen_zoom_out |= new_h * new_w < 0.25 * 64 * 64  # Mostly padding.
         seen_zoom_in |= min(new_h - 64, new_w - 64) > 0 or max(new_h, new_w) > 96
-        cover = (image[:ch, :cw] * STD + MEAN - BG) / (255 - BG)
+        cover = (image[:ch, :cw].astype(np.float32) - BG) / (255 - BG)
         yc = np.arange(ch)[:, None] + 0.5  # Pixel centres.
         xc = np.arange(cw)[None, :] + 0.5
         boxes, labels = out["boxes"].numpy(), out["labels"].numpy()
@@ -364,11 +360,9 @@ def test_random_color_jitter_ranges_and_determinism():
 def test_train_color_jitter_changes_only_visible_pixels():
     rects = [[4, 4, 30, 40], [20, 30, 50, 70]]
     ex = _channel_example(56, 80, rects)
-    base = _opts(scale_jitter=(0.3, 1.5), horizontal_flip=True, mean_rgb=MEAN, std_rgb=STD)
+    base = _opts(scale_jitter=(0.3, 1.5), horizontal_flip=True)
     jitter = dataclasses.replace(base, color_jitter=1.0)
     off = dataclasses.replace(base, color_jitter=0.0)
-    lo = (0.0 - np.array(MEAN)) / STD
-    hi = (255.0 - np.array(MEAN)) / STD
     saw_clip = saw_pad = False
     for s in range(4):
         seed = tf.constant([s, 7], tf.int64)
@@ -387,10 +381,9 @@ def test_train_color_jitter_changes_only_visible_pixels():
         new_h, new_w = _content_size(jittered, 56, 80)
         ch, cw = min(new_h, 64), min(new_w, 64)
         content = image[:ch, :cw]
-        assert not np.allclose(content, plain["image"].numpy()[:ch, :cw], atol=1e-2)
+        assert not np.array_equal(content, plain["image"].numpy()[:ch, :cw])
         assert not np.array_equal(image, other["image"].numpy())
-        assert (content >= lo - 1e-5).all() and (content <= hi + 1e-5).all()
-        saw_clip |= bool(np.isclose(content, hi, atol=1e-4).any())
+        saw_clip |= bool((content == 255).any())
         # Padding stays exactly zero (jitter runs before padding).
         assert not image[ch:].any() and not image[:, cw:].any()
         saw_pad |= ch < 64 or cw < 64
@@ -455,8 +448,8 @@ def _config(**input_overrides):
         max_boxes=8,
         scale_jitter=(0.1, 2.0),
         horizontal_flip=True,
-        mean_rgb=MEAN,
-        std_rgb=STD,
+        mean_rgb=(120.0, 110.0, 100.0),
+        std_rgb=(50.0, 60.0, 70.0),
         min_box_size=1.0,
         min_visible_fraction=0.0,
         color_jitter=0.0,

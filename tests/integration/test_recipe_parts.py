@@ -122,11 +122,12 @@ def test_the_ema_is_checkpointed_evaluated_and_exported(ema_run, tmp_path):
         np.testing.assert_array_equal(value, params[name], err_msg=name)
 
     # The exported program computes with the EMA parameters: its scores are the EMA predictor's, not the raw one's.
-    images = np.random.default_rng(0).normal(size=(1, *config.input.image_size, 3)).astype(np.float32)
+    images = np.random.default_rng(0).integers(0, 256, size=(1, *config.input.image_size, 3), dtype=np.uint8)
+    image_hw = np.array([config.input.image_size], np.int32)
     program = artifact.export_predictor(predictor, 1)
-    exported_scores = np.asarray(program.call(images)["scores"])
-    expected = np.asarray(artifact.detection_function(predictor)(images)["scores"])
-    raw_scores = np.asarray(artifact.detection_function(raw)(images)["scores"])
+    exported_scores = np.asarray(program.call(images, image_hw)["scores"])
+    expected = np.asarray(artifact.detection_function(predictor)(images, image_hw)["scores"])
+    raw_scores = np.asarray(artifact.detection_function(raw)(images, image_hw)["scores"])
     np.testing.assert_allclose(exported_scores, expected, rtol=1e-5, atol=1e-6)
     assert not np.allclose(raw_scores, expected, rtol=1e-5, atol=1e-6)
 

@@ -28,7 +28,8 @@ def random_batch(config, seed: int) -> dict[str, np.ndarray]:
     boxes = np.concatenate([corners, corners + sizes], axis=-1).astype(np.float32)
     boxes_mask = np.arange(m)[None, :] < rng.integers(1, 4, size=(b, 1))
     return {
-        "image": rng.normal(size=(b, h, w, 3)).astype(np.float32),
+        "image": rng.integers(0, 256, size=(b, h, w, 3), dtype=np.uint8),
+        "image_hw": np.stack([rng.integers(h // 2, h + 1, size=b), np.full(b, w)], -1).astype(np.int32),
         "boxes": np.where(boxes_mask[..., None], boxes, 0).astype(np.float32),
         "labels": np.where(boxes_mask, rng.integers(0, NUM_CLASSES, size=(b, m)), -1).astype(np.int32),
         "boxes_mask": boxes_mask,

@@ -9,11 +9,13 @@ disk instead of compiling it again.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import types
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import orbax.checkpoint as ocp
 import pytest
@@ -195,13 +197,34 @@ def test_interrupted_run_resumes_exactly(reference_run, tmp_path, monkeypatch):
         np.testing.assert_allclose(actual, expected, rtol=1e-5, atol=1e-7)
 
 
+# An image id no dataset has: marks the batches whose loss the wrapped objective makes NaN.
+_POISONED_IMAGE_ID = -12345
+
+
 def _poison_steps(monkeypatch, bad_steps):
-    """Makes the training batches of `bad_steps` (1-based) all-NaN images, as a corrupt batch would."""
+    """Makes the loss of the training batches of `bad_steps` (1-based) NaN, as an overflow would.
+
+    The batch itself cannot carry a NaN any more (its images are uint8), so
+    the fault is injected in the loss: the family's objective is wrapped to
+    return NaN for batches whose image ids carry a marker.
+    """
     real_create_train_iterator = input_pipeline.create_train_iterator
+    real_objective = families.objective
 
     def poison(batch, step):
-        return dict(batch, image=np.full_like(batch["image"], np.nan)) if step in bad_steps else batch
+        return dict(batch, image_id=np.full_like(batch["image_id"], _POISONED_IMAGE_ID)) if step in bad_steps else batch
 
+    def objective(config, model, num_classes):
+        real = real_objective(config, model, num_classes)
+
+        def loss(params, batch, rng=None, normalizer=None):
+            value, terms = real.loss(params, batch, rng, normalizer)
+            poisoned = jnp.any(batch["image_id"] == _POISONED_IMAGE_ID)
+            return jnp.where(poisoned, jnp.nan, value), terms
+
+        return dataclasses.replace(real, loss=loss)
+
+    monkeypatch.setattr(families, "objective", objective)
     monkeypatch.setattr(
         input_pipeline,
         "create_train_iterator",

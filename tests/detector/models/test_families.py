@@ -34,7 +34,8 @@ def make_batch(seed=0, boxes=BOXES, boxes_mask=BOXES_MASK, labels=LABELS, exampl
     """A batch as the input pipeline makes it (input_pipeline/batch.py), random images."""
     examples = [batch_lib.empty_example((IMAGE, IMAGE), MAX_BOXES) for _ in range(2)]
     batch = {key: np.stack([e[key] for e in examples]) for key in batch_lib.KEYS}
-    batch["image"] = np.random.default_rng(seed).normal(size=batch["image"].shape).astype(np.float32)
+    batch["image"] = np.random.default_rng(seed).integers(0, 256, batch["image"].shape, np.uint8)
+    batch["image_hw"][:] = IMAGE
     batch["boxes"] = np.where(boxes_mask[..., None], boxes, 0.0).astype(np.float32)
     batch["labels"] = np.where(boxes_mask, labels, -1).astype(np.int32)
     batch["boxes_mask"] = np.asarray(boxes_mask)
@@ -158,8 +159,8 @@ def test_loss_is_deterministic_for_an_rng_and_only_its_denoising_part_depends_on
 
 
 def test_dino_detect_shapes_and_boxes_in_the_image(dino):
-    images = jnp.asarray(make_batch()["image"])
-    out = jax.jit(dino.objective.detect)(dino.params, images)
+    batch = make_batch()
+    out = jax.jit(dino.objective.detect)(dino.params, batch["image"], batch["image_hw"])
     d = dino.config.postprocess.max_detections
     want = {"boxes": ((2, d, 4), jnp.float32), "scores": ((2, d), jnp.float32)}
     want |= {"classes": ((2, d), jnp.int32), "valid": ((2, d), jnp.bool_)}
@@ -213,7 +214,7 @@ def test_retinanet_objective_still_works():
     assert {"cls_loss", "box_loss", "num_positives"} <= set(terms)
     assert all(np.isfinite(np.asarray(v)).all() for v in terms.values())
     assert float(terms["num_positives"]) > 0
-    out = jax.jit(objective.detect)(params, jnp.asarray(batch["image"]))
+    out = jax.jit(objective.detect)(params, batch["image"], batch["image_hw"])
     want = {"boxes": ((2, 10, 4), jnp.float32), "scores": ((2, 10), jnp.float32)}
     want |= {"classes": ((2, 10), jnp.int32), "valid": ((2, 10), jnp.bool_)}
     assert {k: (v.shape, v.dtype) for k, v in out.items()} == want

@@ -136,16 +136,15 @@ def test_save_png_round_trip(tmp_path):
         assert np.array_equal(np.asarray(png.convert("RGB")), image)
 
 
-def test_prediction_panels_undo_normalization_and_show_predictions_beside_ground_truth():
-    mean, std = (100.0, 100.0, 100.0), (50.0, 50.0, 50.0)
-    image = np.full((2, 40, 40, 3), -2.0, np.float32)  # normalized black: (0 - 100) / 50
+def test_prediction_panels_crop_the_padding_and_show_predictions_beside_ground_truth():
+    image = np.full((2, 40, 40, 3), 7, np.uint8)
+    image[0, 30:] = 200  # padding below the first image's 30 rows: not drawn
     batch = {
         "image": image,
+        "image_hw": np.array([[30, 40], [40, 40]], np.int32),
         "boxes": np.array([[[4, 4, 20, 20]], [[0, 0, 1, 1]]], np.float32),
         "labels": np.array([[1], [0]], np.int32),
         "boxes_mask": np.array([[True], [True]]),
-        "scale": np.array([1.0, 1.0], np.float32),
-        "original_size": np.array([[30, 40], [40, 40]], np.int32),  # the first image is 30 px tall
         "example_mask": np.array([True, False]),  # the second is padding
     }
     outputs = {
@@ -154,10 +153,10 @@ def test_prediction_panels_undo_normalization_and_show_predictions_beside_ground
         "classes": np.array([[2, 3], [0, 0]], np.int32),
         "valid": np.array([[True, True], [True, True]]),
     }
-    panels = drawing.prediction_panels(batch, outputs, mean_rgb=mean, std_rgb=std, score_threshold=0.3)
+    panels = drawing.prediction_panels(batch, outputs, score_threshold=0.3)
     assert panels.shape == (1, 30, 40 * 2 + 4, 3)  # one real example, cropped to its 30 x 40 pixels
     left, right = panels[0, :, :40], panels[0, :, 44:]
     assert tuple(left[15, 10]) == drawing.class_color(2)  # the prediction's left edge
     assert drawing.class_color(3) not in {tuple(p) for p in left.reshape(-1, 3)}  # below the threshold
     assert tuple(right[12, 4]) == drawing.class_color(1)  # the ground truth's left edge
-    assert tuple(right[25, 30]) == (0, 0, 0)  # denormalized background
+    assert tuple(right[25, 30]) == (7, 7, 7)  # the image's own pixels
