@@ -14,7 +14,10 @@ transforming exactly as training does, batches pulled as fast as possible):
              host feeding 8 accelerators at 8 images each).
 
 Prints a markdown table: pipeline, output size, tf.data threads, images/s,
-images/s per thread, ms per batch. Compare images/s with the train step's
+images/s per thread (one thread keeps one host core busy), ms per batch, and
+the host cores a host with --accelerators accelerators training at
+--images_per_second images/s each needs for input alone (their product over
+the images/s per thread, rounded up). Compare images/s with the train step's
 images/s per host (benchmarks.scaling, benchmarks.gpu): below it, training
 waits for input (the trainer logs that wait as `input wait`).
 """
@@ -22,6 +25,7 @@ waits for input (the trainer logs that wait as `input wait`).
 from __future__ import annotations
 
 import json
+import math
 import os
 import tempfile
 import time
@@ -35,6 +39,10 @@ _THREADS = flags.DEFINE_multi_integer("threads", [0], "tf.data threads per pipel
 _PIPELINES = flags.DEFINE_multi_string("pipelines", ["default", "coco_lsj"], "Which pipelines to measure.")
 _WORKDIR = flags.DEFINE_string("workdir", None, "Where datasets are generated (default: a temporary directory).")
 _COCO_IMAGES = flags.DEFINE_integer("coco_images", 256, "Images in the generated COCO-format folder.")
+_ACCELERATORS = flags.DEFINE_integer("accelerators", 8, "Accelerators one host feeds, for the host-cores column.")
+_IMAGES_PER_SECOND = flags.DEFINE_float(
+    "images_per_second", 300.0, "Training images/s of one accelerator, for the host-cores column."
+)
 
 
 def _write_coco_folder(root: str, num_images: int) -> tuple[str, str]:
@@ -125,14 +133,25 @@ def main(argv: list[str]) -> None:
                     images_per_s,
                     images_per_s / used_threads,
                     1000 * elapsed / _BATCHES.value,
+                    math.ceil(_ACCELERATORS.value * _IMAGES_PER_SECOND.value * used_threads / images_per_s),
                 )
             )
             print(f"{name}: {images_per_s:.1f} images/s", flush=True)
     report.emit(
         "input_pipeline",
         f"Input pipeline on {os.cpu_count()} CPU cores ({_BATCHES.value} batches each)",
-        ["pipeline", "output", "batch", "tf.data threads", "images/s", "images/s per thread", "ms/batch"],
+        [
+            "pipeline",
+            "output",
+            "batch",
+            "tf.data threads",
+            "images/s",
+            "images/s per thread",
+            "ms/batch",
+            f"host cores for {_ACCELERATORS.value} x {_IMAGES_PER_SECOND.value:g} images/s",
+        ],
         rows,
+        extra={"accelerators": _ACCELERATORS.value, "images_per_second_per_accelerator": _IMAGES_PER_SECOND.value},
     )
 
 

@@ -203,3 +203,61 @@ def test_ap_vs_time_stamps_every_evaluation_of_each_run(tmp_path, data_dir):
     # A workdir that exists would be resumed, not measured: refused.
     again = _run("benchmarks.ap_vs_time", "--configs=default", f"--workdir_root={tmp_path / 'runs'}")
     assert again.returncode != 0 and "exists" in again.stderr
+
+
+def test_host_memory_samples_a_run_and_measures_growth_from_after_the_first_evaluation(tmp_path, data_dir):
+    from tests.helpers.tiny_config import OVERRIDES
+
+    overrides = {**OVERRIDES, "dataset.data_dir": str(data_dir)}
+    for key in ("total_steps", "eval_every_steps", "log_every_steps"):
+        overrides.pop(key)  # the benchmark sets them
+    flags = [f"--override={key}={str(value).replace(' ', '')}" for key, value in overrides.items()]
+    result = _run(
+        "benchmarks.host_memory",
+        "--total_steps=12",
+        "--eval_every_steps=4",
+        "--log_every_steps=2",
+        "--sample_s=0.2",
+        "--rows=4",
+        "--max_growth=1.0",
+        f"--workdir={tmp_path / 'run'}",
+        "--output_dir",
+        str(tmp_path),
+        *flags,
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    with open(tmp_path / "host_memory.json") as f:
+        record = json.load(f)
+    extra = record  # the figures sit beside the table in the JSON
+    samples = extra["samples"]
+    assert len(samples) >= 10
+    # (wall s, step, evaluations, bytes): in time order, steps never go back, a real process's size.
+    assert [s[0] for s in samples] == sorted(s[0] for s in samples)
+    assert [s[1] for s in samples] == sorted(s[1] for s in samples) and samples[-1][1] == 12
+    assert all(s[3] > 100 * 2**20 for s in samples if s[1] > 0)
+    assert extra["growth"] == pytest.approx((extra["final_bytes"] - extra["baseline_bytes"]) / extra["baseline_bytes"])
+    baseline = next(s for s in samples if s[2] >= 1)
+    assert extra["baseline_bytes"] == baseline[3]
+    assert len(record["rows"]) == 4 and record["rows"][-1]["step"] == 12
+    assert "eval step 12" in (tmp_path / "run.log").read_text()
+
+
+def test_input_pipeline_reports_the_host_cores_a_host_of_accelerators_needs(tmp_path):
+    result = _run(
+        "benchmarks.input_pipeline",
+        "--pipelines=default",
+        "--batches=2",
+        "--accelerators=4",
+        "--images_per_second=250",
+        f"--workdir={tmp_path}",
+        "--output_dir",
+        str(tmp_path),
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    with open(tmp_path / "input_pipeline.json") as f:
+        record = json.load(f)
+    [row] = record["rows"]
+    per_thread = row["images/s per thread"]
+    assert per_thread > 0
+    assert row["host cores for 4 x 250 images/s"] == math.ceil(4 * 250 / per_thread)
+    assert (record["accelerators"], record["images_per_second_per_accelerator"]) == (4, 250.0)
