@@ -132,8 +132,13 @@ def random_horizontal_flip(image: tf.Tensor, boxes: tf.Tensor, seed: tf.Tensor) 
 
 
 def to_pixels(image: tf.Tensor) -> tf.Tensor:
-    """float32 0-255 image -> uint8, rounded to the nearest grey level (what the batch carries)."""
-    return tf.cast(tf.clip_by_value(tf.round(image), 0.0, 255.0), tf.uint8)
+    """float32 image in [0, 255] -> uint8, rounded to the nearest grey level (halves up): what the batch carries.
+
+    One pass instead of round, clip and cast: every producer here stays in
+    [0, 255] (bilinear and triangle weights are non-negative and sum to 1,
+    colour jitter clips), and a cast truncates, so adding 0.5 rounds.
+    """
+    return tf.cast(image + 0.5, tf.uint8)
 
 
 # Folded into the example seed for the colour jitter, so the four geometric
@@ -190,27 +195,57 @@ def _resize(image: tf.Tensor, scale: tf.Tensor, max_size=None):
     return image, new_hw
 
 
+# Resizing the whole image and cropping beats resizing only the window while
+# the whole is at most this many times the window: the bilinear kernel costs
+# about a third of the general one per pixel (a 640x480 JPEG to 1536x1152,
+# cropped to 1024x1024: 10.5 ms against 18.8 ms on one core).
+_WHOLE_RESIZE_MAX_AREA_RATIO = 2.0
+
+
 def _resize_window(image: tf.Tensor, new_hw: tf.Tensor, offset_yx: tf.Tensor, window_hw: tf.Tensor) -> tf.Tensor:
     """The window [offset, offset + window) of `image` resized to `new_hw`.
 
     Equals resizing the whole image (bilinear, antialiased, as _resize) and
     cropping, but computes only the window's pixels: with large-scale jitter
     the resized image can be 4x the crop, and resizing it all dominated the
-    pipeline's time.
+    pipeline's time. When both axes grow and the whole resized image is not
+    much larger than the window, it does resize the whole image, with the
+    plain bilinear kernel: upscaled, the antialiased triangle kernel is the
+    bilinear one (a 1-pixel radius, half-pixel centres, edge pixels
+    repeated), so the pixels are the same to float rounding, and that kernel
+    is about 3x cheaper per pixel.
+
+    Args:
+      image: uint8 or float32 [h, w, C].
+      new_hw: int32 [2], the size of the whole resized image.
+      offset_yx: int32 [2], the window's top-left in the resized image.
+      window_hw: int32 [2], the window's size, inside the resized image.
 
     Returns:
-      float32 [window_h, window_w, C].
+      float32 [window_h, window_w, C], 0-255 units.
     """
-    hw = tf.cast(tf.shape(image)[:2], tf.float32)
-    window = tf.raw_ops.ScaleAndTranslate(
-        images=image[None],  # uint8 in, float32 out: no float copy of the whole source image
-        size=window_hw,
-        scale=tf.cast(new_hw, tf.float32) / hw,
-        translation=-tf.cast(offset_yx, tf.float32),
-        kernel_type="triangle",
-        antialias=True,
-    )
-    return window[0]
+    hw = tf.shape(image)[:2]
+
+    def whole_then_crop():
+        resized = tf.raw_ops.ResizeBilinear(images=image[None], size=new_hw, half_pixel_centers=True)[0]
+        return tf.slice(resized, tf.concat([offset_yx, [0]], 0), tf.concat([window_hw, [-1]], 0))
+
+    def window_only():
+        window = tf.raw_ops.ScaleAndTranslate(
+            images=image[None],  # uint8 in, float32 out: no float copy of the whole source image
+            size=window_hw,
+            scale=tf.cast(new_hw, tf.float32) / tf.cast(hw, tf.float32),
+            translation=-tf.cast(offset_yx, tf.float32),
+            kernel_type="triangle",
+            antialias=True,
+        )
+        return window[0]
+
+    new_area = tf.cast(tf.reduce_prod(new_hw), tf.float32)
+    window_area = tf.cast(tf.reduce_prod(window_hw), tf.float32)
+    upscaled = tf.reduce_all(new_hw >= hw)
+    cheap_whole = upscaled & (new_area <= _WHOLE_RESIZE_MAX_AREA_RATIO * window_area)
+    return tf.cond(cheap_whole, whole_then_crop, window_only)
 
 
 def drop_small_boxes(boxes: tf.Tensor, labels: tf.Tensor, min_size: float) -> tuple[tf.Tensor, tf.Tensor]:

@@ -219,3 +219,29 @@ def test_retinanet_objective_still_works():
     want |= {"classes": ((2, 10), jnp.int32), "valid": ((2, 10), jnp.bool_)}
     assert {k: (v.shape, v.dtype) for k, v in out.items()} == want
     assert objective.outputs_per_image.endswith("anchors")
+
+
+def test_loss_and_detect_normalise_on_the_device_and_ignore_the_padding(dino):
+    """Both see `normalize_images` of the uint8 batch: padding bytes change nothing, image bytes do."""
+    batch = make_batch()
+    batch["image_hw"][1] = (40, 50)  # image 1 is padded below and to the right
+    rng = jax.random.key(5)
+    detect = jax.jit(dino.objective.detect)
+    loss = scalars(*dino.loss(dino.params, batch, rng))
+    detections = detect(dino.params, batch["image"], batch["image_hw"])
+
+    noisy_padding = {**batch, "image": batch["image"].copy()}
+    noisy_padding["image"][1, 40:] = 255 - noisy_padding["image"][1, 40:]
+    noisy_padding["image"][1, :, 50:] = 0
+    assert scalars(*dino.loss(dino.params, noisy_padding, rng)) == loss
+    same = detect(dino.params, noisy_padding["image"], noisy_padding["image_hw"])
+    for key in detections:
+        np.testing.assert_array_equal(same[key], detections[key], err_msg=key)
+
+    # The same bytes inside the image change both.
+    changed = {**batch, "image": batch["image"].copy()}
+    changed["image"][1, :40, :50] = 255 - changed["image"][1, :40, :50]
+    assert abs(scalars(*dino.loss(dino.params, changed, rng))[0] - loss[0]) > 1e-6
+    assert not np.array_equal(
+        detect(dino.params, changed["image"], changed["image_hw"])["scores"], detections["scores"]
+    )
