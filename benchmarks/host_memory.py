@@ -10,14 +10,17 @@ printed. Memory that grows with the step count (a cache keyed by step, metrics
 kept forever, an iterator recreated per evaluation that never frees its
 buffers) shows as a slope across evaluations; what a run needs once (compiled
 programs, the COCO ground truth, the first evaluation's buffers) is paid
-before the first evaluation ends. So the baseline is the first sample after
-the first evaluation, and the table reports the growth from there to the end.
+before the first evaluation ends. So the baseline is the median of the first
+tenth of the samples after the first evaluation, and the growth is that of
+the median of the last tenth before the final evaluation: one sample swings
+by several percent with the batches in flight.
 """
 
 from __future__ import annotations
 
 import os
 import re
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -122,7 +125,11 @@ def main(argv: list[str]) -> None:
     after_first_eval = [s for s in samples if s[2] >= 1 and s[1] < _TOTAL_STEPS.value]
     if not after_first_eval:
         sys.exit("error: no sample after the first evaluation; train longer or evaluate more often")
-    baseline, final = after_first_eval[0], after_first_eval[-1]
+    # Medians of the first and the last tenth: one sample swings by +-5% with
+    # the batches in flight and the evaluation's buffers; a leak moves the median.
+    tenth = max(1, len(after_first_eval) // 10)
+    baseline = (after_first_eval[0][1], statistics.median(s[3] for s in after_first_eval[:tenth]))
+    final = (after_first_eval[-1][1], statistics.median(s[3] for s in after_first_eval[-tenth:]))
     gib = 1024**3
     trained = [s for s in samples if s[1] > 0]
     wanted = [round(_TOTAL_STEPS.value * i / (_ROWS.value - 1)) for i in range(_ROWS.value)]
@@ -135,22 +142,22 @@ def main(argv: list[str]) -> None:
                 round(sample[0]),
                 sample[2],
                 sample[3] / gib,
-                f"{100 * (sample[3] - baseline[3]) / baseline[3]:+.1f}%",
+                f"{100 * (sample[3] - baseline[1]) / baseline[1]:+.1f}%",
             ]
         )
-    growth = (final[3] - baseline[3]) / baseline[3]
+    growth = (final[1] - baseline[1]) / baseline[1]
     peak = max(s[3] for s in samples)
     report.emit(
         "host_memory",
         f"Host resident memory of `{_CONFIG.value}` over {_TOTAL_STEPS.value} steps (evaluations every "
-        f"{_EVAL_EVERY.value}); baseline step {baseline[1]} after the first evaluation: {baseline[3] / gib:.3f} GiB, "
-        f"last before the final evaluation step {final[1]}: {final[3] / gib:.3f} GiB, growth {100 * growth:+.1f}%, "
-        f"peak {peak / gib:.3f} GiB",
+        f"{_EVAL_EVERY.value}); median of the first tenth after the first evaluation (from step {baseline[0]}): "
+        f"{baseline[1] / gib:.3f} GiB, of the last tenth (to step {final[0]}): {final[1] / gib:.3f} GiB, growth "
+        f"{100 * growth:+.1f}%, peak {peak / gib:.3f} GiB",
         ["step", "wall s", "evaluations", "resident GiB", "vs baseline"],
         rows,
         extra={
-            "baseline_bytes": baseline[3],
-            "final_bytes": final[3],
+            "baseline_bytes": baseline[1],
+            "final_bytes": final[1],
             "growth": growth,
             "peak_bytes": peak,
             "samples": samples,
