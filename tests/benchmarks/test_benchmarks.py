@@ -229,18 +229,18 @@ def test_host_memory_samples_a_run_and_measures_growth_from_after_the_first_eval
     assert result.returncode == 0, result.stderr[-3000:]
     with open(tmp_path / "host_memory.json") as f:
         record = json.load(f)
-    extra = record  # the figures sit beside the table in the JSON
-    samples = extra["samples"]
+    samples = record["samples"]  # the figures sit beside the table in the JSON
     assert len(samples) >= 10
     # (wall s, step, evaluations, bytes): in time order, steps never go back, a real process's size.
     assert [s[0] for s in samples] == sorted(s[0] for s in samples)
     assert [s[1] for s in samples] == sorted(s[1] for s in samples) and samples[-1][1] == 12
     assert all(s[3] > 100 * 2**20 for s in samples if s[1] > 0)
-    assert extra["growth"] == pytest.approx((extra["final_bytes"] - extra["baseline_bytes"]) / extra["baseline_bytes"])
+    baseline, final = record["baseline_bytes"], record["final_bytes"]
+    assert record["growth"] == pytest.approx((final - baseline) / baseline)
     after_first_eval = [s for s in samples if s[2] >= 1 and s[1] < 12]
     tenth = max(1, len(after_first_eval) // 10)
-    assert extra["baseline_bytes"] == statistics.median(s[3] for s in after_first_eval[:tenth])
-    assert extra["final_bytes"] == statistics.median(s[3] for s in after_first_eval[-tenth:])
+    assert baseline == statistics.median(s[3] for s in after_first_eval[:tenth])
+    assert final == statistics.median(s[3] for s in after_first_eval[-tenth:])
     assert len(record["rows"]) == 4 and record["rows"][-1]["step"] == 12
     assert "eval step 12" in (tmp_path / "run.log").read_text()
 
