@@ -46,6 +46,7 @@ USER_ERRORS = (
 
 EXIT_USAGE = 2
 EXIT_ERROR = 1
+EXIT_INTERRUPTED = 130  # 128 + SIGINT, as shells report a command stopped by Ctrl-C
 
 
 def _fail(message: str, code: int) -> None:
@@ -223,5 +224,14 @@ def run(main: Callable[[list[str]], None]) -> None:
             if flags.FLAGS.verbose:
                 raise
             _fail(str(e), EXIT_ERROR)
+        except KeyboardInterrupt as e:
+            # Ctrl-C before the training loop watches for it (while starting or
+            # compiling), or a second one that aborts the preemption checkpoint.
+            if flags.FLAGS.verbose:
+                raise
+            reason = str(e) or "Ctrl-C while starting"
+            _fail(
+                f"interrupted ({reason}); rerun the same command to resume from the newest checkpoint", EXIT_INTERRUPTED
+            )
 
     app.run(guarded_main, flags_parser=_parse_flags)

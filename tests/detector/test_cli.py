@@ -9,6 +9,7 @@ from __future__ import annotations
 import os
 import pathlib
 import re
+import signal
 import subprocess
 import sys
 import time
@@ -16,6 +17,8 @@ import time
 import pytest
 
 from tests.helpers import REPO_ROOT
+from tests.helpers.runs import once_per_run
+from tests.helpers.tiny_config import as_flags, make_config
 
 TIMEOUT_S = 300
 
@@ -167,3 +170,35 @@ def test_verbose_shows_the_traceback(cli_results):
     assert result["returncode"] != 0
     assert "Traceback (most recent call last)" in result["stderr"]
     assert re.search(r"MeshError: mesh \(data=3, fsdp=1, model=1\) needs 3 devices", result["stderr"]), result["stderr"]
+
+
+@pytest.mark.slow
+def test_ctrl_c_while_starting_is_one_error_line(tmp_path, tmp_path_factory):
+    """A real SIGINT once the command has started (before the training loop's handlers): no traceback."""
+    import input_pipeline
+
+    # The integration tests' tiny dataset (generated once per run), so the signal lands in preparing or compiling.
+    data_dir = once_per_run(tmp_path_factory, "data", lambda path: input_pipeline.get_dataset_info(make_config(path)))
+    env = {**os.environ, "PYTHONPATH": str(REPO_ROOT), "JAX_PLATFORMS": "cpu"}
+    command = [sys.executable, "-m", "detector.train", "--config=configs/default.py", f"--workdir={tmp_path / 'run'}"]
+    process = subprocess.Popen(
+        command + as_flags(data_dir),
+        cwd=REPO_ROOT,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
+    lines = []
+    for line in process.stdout:
+        lines.append(line)
+        if "compilation cache" in line:  # cli.start() has run; the dataset and compiling come next
+            process.send_signal(signal.SIGINT)
+            break
+    lines += process.stdout.readlines()
+    assert process.wait(timeout=TIMEOUT_S) == 130, "".join(lines[-30:])
+    output = "".join(lines)
+    assert "Traceback" not in output and "KeyboardInterrupt" not in output, output[-3000:]
+    assert [line for line in lines if line.strip()][-1].startswith(
+        "error: interrupted (Ctrl-C while starting); rerun the same command"
+    ), output[-3000:]
