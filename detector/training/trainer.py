@@ -225,6 +225,12 @@ def _train_loop(
         ) as progress,
     ):
         saved_step = start_step
+
+        def save_checkpoint(step: int) -> None:
+            nonlocal saved_step
+            checkpointing.save(manager, step, state, {"step": step, "input_position": train_iter.position})
+            saved_step = step
+
         for step in range(start_step + 1, total_steps + 1):
             wait_start = time.perf_counter()
             batch = input_pipeline.to_global_batch(next(train_iter), mesh, batch_axes)
@@ -244,16 +250,9 @@ def _train_loop(
                 data_report.update("train", train_iter.input_counts)
                 window.restart()
             if step % config.checkpoint_every_steps == 0 or last:
-                checkpointing.save(manager, step, state, {"step": step, "input_position": train_iter.position})
-                saved_step = step
+                save_checkpoint(step)
             if stopped_early:
-                logging.warning(
-                    "stopping at step %d of %d on a preemption signal; the checkpoint of step %d is "
-                    "being written. Run the same command to resume.",
-                    step,
-                    total_steps,
-                    step,
-                )
+                _log_preemption_stop(step, total_steps)
                 break
             if step % config.eval_every_steps == 0 or step == total_steps:
                 eval_start = time.perf_counter()
@@ -264,15 +263,8 @@ def _train_loop(
                     # COCO evaluation can outlast it. The resumed run evaluates at its next eval step.
                     stopped_early = True
                     if saved_step != step:
-                        checkpointing.save(manager, step, state, {"step": step, "input_position": train_iter.position})
-                    logging.warning(
-                        "stopping at step %d of %d on a preemption signal: %s; the checkpoint of step %d is "
-                        "being written. Run the same command to resume.",
-                        step,
-                        total_steps,
-                        interrupted,
-                        step,
-                    )
+                        save_checkpoint(step)
+                    _log_preemption_stop(step, total_steps, cause=interrupted)
                     break
                 window.exclude(time.perf_counter() - eval_start)  # eval time is not training throughput
 
@@ -284,3 +276,14 @@ def _train_loop(
                 logging.warning("stopping on a preemption signal: %s", interrupted)
                 stopped_early = True
     return state, last_metrics, stopped_early
+
+
+def _log_preemption_stop(step: int, total_steps: int, cause: Exception | None = None) -> None:
+    logging.warning(
+        "stopping at step %d of %d on a preemption signal%s; the checkpoint of step %d is being written. "
+        "Run the same command to resume.",
+        step,
+        total_steps,
+        f": {cause}" if cause else "",
+        step,
+    )
