@@ -15,8 +15,7 @@ import jax
 
 import sharding
 from benchmarks.synthetic import random_batch
-from detector.models import families
-from detector.training import optim, steps
+from detector.training import optim, steps, train_compile
 from detector.training.train_state import init_train_state
 from sharding import step_plan
 
@@ -46,7 +45,7 @@ def build(config, num_classes: int, devices=None) -> TrainStep:
     mesh = sharding.create_mesh(config.mesh, devices)
     rules = sharding.logical_rules(config.sharding)
     sharding.check_global_batch(config.global_batch_size, mesh)
-    model = families.create_model(config, num_classes)
+    model = train_compile.create_training_model(config, num_classes, mesh)
     tx, schedule = optim.create_optimizer(config.optimizer, config.total_steps, model_config=config.model)
     batch_sharding = sharding.batch_sharding(mesh, sharding.batch_axes(mesh))
     with sharding.use_mesh(mesh, rules):

@@ -222,6 +222,13 @@ def base_config() -> ml_collections.ConfigDict:
     # level) or "none" (the original RetinaNet's, torchvision's and
     # detectron2's head: convolutions with biases only).
     config.model.head_norm = "group"
+    # Run the head's shared convs on one canvas of all pyramid levels: one
+    # kernel-gradient reduction across data-parallel devices per conv instead
+    # of one per level, for ~14% more pixels and packing copies. "auto" packs
+    # when training with the batch split over >1 device (mesh data x fsdp),
+    # never when predicting; "always" / "never" force it. The parameters and
+    # outputs are the same either way.
+    config.model.head_level_packing = "auto"
     config.model.anchors = ml_collections.ConfigDict(
         dict(min_level=3, max_level=5, num_scales=3, aspect_ratios=(0.5, 1.0, 2.0), anchor_size=2.0)
     )

@@ -76,10 +76,18 @@ def num_anchors_per_location(config) -> int:
     return anchors_lib.num_anchors_per_location(a.num_scales, tuple(a.aspect_ratios))
 
 
-def create_model(config, num_classes: int) -> nn.Module:
-    """The network of `config.model.name` for `num_classes` classes."""
+def create_model(config, num_classes: int, *, data_parallel_devices: int = 1) -> nn.Module:
+    """The network of `config.model.name` for `num_classes` classes.
+
+    `data_parallel_devices`: the devices the batch, and so each gradient
+    reduction, is split over (the mesh's data x fsdp); the default, 1, suits
+    prediction, which reduces no gradients. Only `model.head_level_packing="auto"`
+    reads it; the parameters do not depend on it.
+    """
     if family_of(config.model) == "retinanet":
-        return retinanet.create_model(config.model, num_classes, num_anchors_per_location(config))
+        return retinanet.create_model(
+            config.model, num_classes, num_anchors_per_location(config), data_parallel_devices=data_parallel_devices
+        )
     return create_dino(config, num_classes)
 
 

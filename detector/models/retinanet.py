@@ -30,6 +30,9 @@ class RetinaNetHead(nn.Module):
     features: int = 256
     prior_probability: float = 0.01
     norm: str = "group"  # one of HEAD_NORMS
+    # Run each conv once on a canvas of all levels (see level_packing) instead
+    # of once per level; the parameters are the same either way.
+    pack_levels: bool = False
     dtype: Any = jnp.float32
 
     @nn.compact
@@ -71,9 +74,23 @@ class RetinaNetHead(nn.Module):
             self.num_anchors * 4, 3, dtype=self.dtype, kernel_init=nn.initializers.normal(0.01), name="box_deltas"
         )
 
-        # Each conv runs once on a canvas holding every level (see
-        # level_packing: one kernel-gradient reduction instead of one per
-        # level); GroupNorm keeps per-level statistics, as in the paper.
+        if self.pack_levels:
+            logits, deltas = self._packed(pyramid, cls_tower, box_tower, cls_out, box_out)
+        else:
+            logits, deltas = self._level_by_level(pyramid, cls_tower, box_tower, cls_out, box_out)
+        batch = next(iter(pyramid.values())).shape[0]
+        all_logits = [logits[level].reshape(batch, -1, self.num_classes) for level in sorted(pyramid)]
+        all_deltas = [deltas[level].reshape(batch, -1, 4) for level in sorted(pyramid)]
+        # Losses and post-processing run in float32 whatever the compute dtype.
+        return (
+            jnp.concatenate(all_logits, axis=1).astype(jnp.float32),
+            jnp.concatenate(all_deltas, axis=1).astype(jnp.float32),
+        )
+
+    def _packed(self, pyramid, cls_tower, box_tower, cls_out, box_out):
+        """Both towers on one canvas of all levels: `{level: [B, h_l, w_l, A*C]}`, `{level: [B, h_l, w_l, A*4]}`."""
+        # One kernel-gradient reduction per conv instead of one per level
+        # (see level_packing); GroupNorm keeps per-level statistics, as in the paper.
         layout = level_packing.plan_layout({level: x.shape[1:3] for level, x in pyramid.items()})
         canvas = constrain_activation(level_packing.pack(pyramid, layout))
         in_regions = jnp.asarray(level_packing.region_mask(layout), self.dtype)
@@ -94,14 +111,25 @@ class RetinaNetHead(nn.Module):
 
         logits = level_packing.unpack(cls_out(tower(cls_tower)), layout)
         deltas = level_packing.unpack(box_out(tower(box_tower)), layout)
-        batch = canvas.shape[0]
-        all_logits = [logits[level].reshape(batch, -1, self.num_classes) for level in sorted(pyramid)]
-        all_deltas = [deltas[level].reshape(batch, -1, 4) for level in sorted(pyramid)]
-        # Losses and post-processing run in float32 whatever the compute dtype.
-        return (
-            jnp.concatenate(all_logits, axis=1).astype(jnp.float32),
-            jnp.concatenate(all_deltas, axis=1).astype(jnp.float32),
-        )
+        return logits, deltas
+
+    def _level_by_level(self, pyramid, cls_tower, box_tower, cls_out, box_out):
+        """Both towers on each level alone, the same modules (shared weights); outputs as `_packed`'s."""
+
+        def tower(layers):
+            xs = pyramid
+            for conv_layer, norm_layer in layers:
+                xs = {
+                    level: constrain_activation(
+                        nn.relu(conv_layer(x) if norm_layer is None else norm_layer(conv_layer(x)))
+                    )
+                    for level, x in xs.items()
+                }
+            return xs
+
+        logits = {level: cls_out(x) for level, x in tower(cls_tower).items()}
+        deltas = {level: box_out(x) for level, x in tower(box_tower).items()}
+        return logits, deltas
 
 
 class RetinaNet(nn.Module):
@@ -119,6 +147,7 @@ class RetinaNet(nn.Module):
 
 
 HEAD_NORMS = ("group", "none")
+HEAD_LEVEL_PACKINGS = ("auto", "always", "never")
 DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
 BACKBONES = ("resnet", "vit")
 
@@ -128,6 +157,23 @@ def compute_dtype(model_config) -> Any:
     if model_config.dtype not in DTYPES:
         raise ConfigError(f"model.dtype={model_config.dtype!r}; use one of {', '.join(DTYPES)}")
     return DTYPES[model_config.dtype]
+
+
+def packs_head_levels(model_config, data_parallel_devices: int = 1) -> bool:
+    """Whether the head runs its convs on one canvas of all levels: `model.head_level_packing` resolved.
+
+    `data_parallel_devices`: how many devices the batch is split over, and so
+    the kernel gradients reduced across (1 where nothing is differentiated,
+    e.g. prediction). "auto" packs only where that is more than one: packing
+    saves one reduction per level and conv there, but costs ~14% more pixels
+    and copies, a pure loss on one device.
+    """
+    choice = model_config.head_level_packing
+    if choice not in HEAD_LEVEL_PACKINGS:
+        raise ConfigError(f"model.head_level_packing={choice!r}; use one of {', '.join(HEAD_LEVEL_PACKINGS)}")
+    if choice == "auto":
+        return data_parallel_devices > 1
+    return choice == "always"
 
 
 def create_backbone(model_config, dtype: Any) -> nn.Module:
@@ -160,13 +206,14 @@ def create_backbone(model_config, dtype: Any) -> nn.Module:
     raise ConfigError(f"model.backbone.name={name!r}; use one of {', '.join(BACKBONES)}")
 
 
-def create_model(model_config, num_classes: int, num_anchors: int) -> RetinaNet:
+def create_model(model_config, num_classes: int, num_anchors: int, *, data_parallel_devices: int = 1) -> RetinaNet:
     """Builds the RetinaNet from `config.model`.
 
     `model.backbone.name` picks the trunk: 'resnet' (with an FPN neck) or 'vit'
     (with ViTDet's simple feature pyramid); a ResNet's `model.backbone.norm`
     picks its normalisation ('group' or 'frozen_bn'). `model.dtype` is the compute dtype;
-    parameters, optimizer state and losses stay float32.
+    parameters, optimizer state and losses stay float32. `data_parallel_devices`
+    decides `model.head_level_packing="auto"` (see `packs_head_levels`).
     """
     dtype = compute_dtype(model_config)
     backbone = create_backbone(model_config, dtype)
@@ -181,6 +228,7 @@ def create_model(model_config, num_classes: int, num_anchors: int) -> RetinaNet:
         model_config.head_convs,
         model_config.head_features,
         norm=model_config.head_norm,
+        pack_levels=packs_head_levels(model_config, data_parallel_devices),
         dtype=dtype,
     )
     return RetinaNet(backbone=backbone, neck=neck, head=head)

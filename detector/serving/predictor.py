@@ -101,6 +101,8 @@ def load_predictor(
     rules = sharding.logical_rules(config.sharding)
     sharding.check_global_batch(batch_size, mesh)
     dataset_info = input_pipeline.get_dataset_info(config)
+    # No gradients to reduce: left at one data-parallel device, the head packs
+    # its levels only under model.head_level_packing="always".
     model = families.create_model(config, dataset_info.num_classes)
     with sharding.use_mesh(mesh, rules):
         abstract_params, shardings = params_shardings(model, tuple(config.input.image_size), mesh, rules)

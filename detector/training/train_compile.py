@@ -7,9 +7,11 @@ step (`log_step_plan`) and refuses a step that will not fit.
 from __future__ import annotations
 
 import json
+import math
 import sys
 import time
 
+import flax.linen as nn
 import jax
 from absl import logging
 
@@ -21,6 +23,12 @@ from sharding import memory
 from sharding.step_plan import GB, StepPlan, format_table, plan_from_compiled, search_fitting_mesh
 
 
+def create_training_model(config, num_classes: int, mesh: jax.sharding.Mesh) -> nn.Module:
+    """`families.create_model` for training on `mesh`, whose batch axes (data x fsdp) each gradient is reduced over."""
+    data_parallel_devices = math.prod(mesh.shape[axis] for axis in sharding.batch_axes(mesh))
+    return families.create_model(config, num_classes, data_parallel_devices=data_parallel_devices)
+
+
 def plan_train_step(config, devices=None) -> StepPlan:
     """Compiles `config`'s train step on `devices` (default: all) and accounts for it.
 
@@ -30,7 +38,7 @@ def plan_train_step(config, devices=None) -> StepPlan:
     rules = sharding.logical_rules(config.sharding)
     sharding.check_global_batch(config.global_batch_size, mesh)
     num_classes = len(datasets.class_names(config))
-    model = families.create_model(config, num_classes)
+    model = create_training_model(config, num_classes, mesh)
     tx, schedule = optim.create_optimizer(config.optimizer, config.total_steps, model_config=config.model)
     start = time.perf_counter()
     with sharding.use_mesh(mesh, rules):

@@ -27,7 +27,7 @@ from detector.training import checkpointing, optim, preemption, steps
 from detector.training.evaluator import EvaluationInterrupted, Evaluator
 from detector.training.metric_writers import MetricWriter
 from detector.training.monitors import DataReport, MetricWindow, NonFiniteSteps
-from detector.training.train_compile import log_step_plan
+from detector.training.train_compile import create_training_model, log_step_plan
 from detector.training.train_state import TrainState, count_params, init_train_state
 from input_pipeline.progress import Progress
 
@@ -43,7 +43,7 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict[
     mesh, rules = _create_mesh(config)
     dataset_info = input_pipeline.get_dataset_info(config)
     data_report = DataReport(config, workdir_path, enabled=is_primary)
-    model = families.create_model(config, dataset_info.num_classes)
+    model = create_training_model(config, dataset_info.num_classes, mesh)
     tx, schedule = optim.create_optimizer(config.optimizer, config.total_steps, model_config=config.model)
     programs = _compile(config, model, tx, schedule, dataset_info.num_classes, mesh, rules)
 
@@ -142,7 +142,9 @@ def _compile(config, model, tx, schedule, num_classes: int, mesh, rules) -> _Pro
         )
         predict = steps.compile_predict_step(
             config,
-            model,
+            # The same parameters; prediction reduces no gradients, so the
+            # head's level packing ("auto") would be pure cost there.
+            families.create_model(config, num_classes),
             num_classes=num_classes,
             abstract_params=abstract_state.params,
             param_shardings=state_shardings.params,

@@ -64,16 +64,41 @@ def test_conv_on_canvas_equals_conv_per_level():
         np.testing.assert_allclose(packed[level], conv(x), rtol=1e-5, atol=1e-5, err_msg=f"P{level}")
 
 
+def count_convs(fn, *args) -> int:
+    return str(jax.make_jaxpr(fn)(*args)).count("conv_general_dilated")
+
+
 @pytest.mark.parametrize("norm", ["group", "none"])
-def test_head_outputs_equal_level_by_level_application(norm):
-    head = RetinaNetHead(num_classes=3, num_anchors=2, num_convs=2, features=8, norm=norm)
+def test_packed_and_level_by_level_heads_share_parameters_outputs_and_gradients(norm):
+    def head(pack_levels):
+        return RetinaNetHead(num_classes=3, num_anchors=2, num_convs=2, features=8, norm=norm, pack_levels=pack_levels)
+
+    packed, per_level = head(True), head(False)
     rng = np.random.default_rng(2)
-    pyramid = {
-        level: jnp.asarray(rng.normal(size=(2, h, w, 8)), jnp.float32)
-        for level, (h, w) in pyramid_shapes(64, 96, 3, 6).items()
-    }
-    params = head.init(jax.random.key(0), pyramid)
-    logits, deltas = head.apply(params, pyramid)
-    per_level = [head.apply(params, {level: x}) for level, x in sorted(pyramid.items())]
-    np.testing.assert_allclose(logits, jnp.concatenate([p[0] for p in per_level], axis=1), rtol=1e-5, atol=1e-5)
-    np.testing.assert_allclose(deltas, jnp.concatenate([p[1] for p in per_level], axis=1), rtol=1e-5, atol=1e-5)
+    shapes = pyramid_shapes(64, 96, 3, 6)  # odd sizes down to 1x2
+    pyramid = {level: jnp.asarray(rng.normal(size=(2, h, w, 8)), jnp.float32) for level, (h, w) in shapes.items()}
+    params = per_level.init(jax.random.key(0), pyramid)
+    # Checkpoints are interchangeable: the same tree, and the same initial values.
+    jax.tree.map(np.testing.assert_array_equal, packed.init(jax.random.key(0), pyramid), params)
+    # The two are different programs: one conv per layer, or one per layer and level.
+    convs_per_head = 2 * (2 + 1)
+    assert count_convs(packed.apply, params, pyramid) == convs_per_head
+    assert count_convs(per_level.apply, params, pyramid) == convs_per_head * len(shapes)
+
+    outputs = {pack: head(pack).apply(params, pyramid) for pack in (True, False)}
+    for got, want in zip(outputs[True], outputs[False]):
+        np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
+
+    # Random cotangents, so every anchor's output contributes to the gradients.
+    logits_weight, deltas_weight = (jnp.asarray(rng.normal(size=x.shape), jnp.float32) for x in outputs[False])
+
+    def loss(params, pyramid, pack):
+        logits, deltas = head(pack).apply(params, pyramid)
+        return jnp.sum(logits * logits_weight) + jnp.sum(deltas * deltas_weight)
+
+    grads = {pack: jax.grad(loss, argnums=(0, 1))(params, pyramid, pack) for pack in (True, False)}
+    # Before a GroupNorm a conv's bias has no effect, so its gradient is
+    # float32 noise around 0: the absolute tolerance follows the largest gradient.
+    scale = max(float(jnp.max(jnp.abs(g))) for g in jax.tree.leaves(grads[False]))
+    for got, want in zip(jax.tree.leaves(grads[True]), jax.tree.leaves(grads[False]), strict=True):
+        np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-5 * scale)

@@ -3,9 +3,12 @@ import jax
 import jax.numpy as jnp
 import pytest
 
+import sharding
 from configs import default
+from detector.errors import ConfigError
 from detector.models import families
 from detector.models.retinanet import create_model
+from detector.training.train_compile import create_training_model
 
 
 def _abstract_outputs(config, num_classes=4, batch=2):
@@ -50,3 +53,48 @@ def test_classification_bias_starts_at_the_prior():
     variables = model.init(jax.random.key(0), jnp.zeros((1, 64, 64, 3)))
     bias = nn.meta.unbox(variables["params"])["head"]["cls_logits"]["bias"]
     assert jnp.allclose(jax.nn.sigmoid(bias), 0.01, atol=1e-4)
+
+
+@pytest.mark.parametrize(
+    "mesh_shape,packs",
+    [
+        (dict(data=8, fsdp=1, model=1), True),
+        (dict(data=1, fsdp=2, model=4), True),  # fsdp splits the batch too
+        (dict(data=2, fsdp=1, model=4), True),
+        (dict(data=1, fsdp=1, model=8), False),  # every device sees the same examples
+        (dict(data=1, fsdp=1, model=1), False),
+    ],
+)
+def test_auto_head_level_packing_packs_for_training_split_over_several_devices(mesh_shape, packs):
+    config = default.get_config()
+    assert config.model.head_level_packing == "auto"
+    devices = jax.devices()[: mesh_shape["data"] * mesh_shape["fsdp"] * mesh_shape["model"]]
+    mesh = sharding.create_mesh(mesh_shape, devices)
+    model = create_training_model(config, 4, mesh)
+    assert model.head.pack_levels is packs
+    # Prediction (no mesh information) never packs under "auto".
+    assert families.create_model(config, 4).head.pack_levels is False
+    # Either way the parameter tree is the same, so checkpoints load into both.
+    images = jax.ShapeDtypeStruct((2, 64, 64, 3), jnp.float32)
+    trained = jax.eval_shape(model.init, jax.random.key(0), images)
+    predicting = jax.eval_shape(families.create_model(config, 4).init, jax.random.key(0), images)
+    assert jax.tree.structure(trained) == jax.tree.structure(predicting)
+    assert [(x.shape, x.dtype) for x in jax.tree.leaves(trained)] == [
+        (x.shape, x.dtype) for x in jax.tree.leaves(predicting)
+    ]
+
+
+@pytest.mark.parametrize("choice,packs", [("always", True), ("never", False)])
+def test_forced_head_level_packing_ignores_the_devices(choice, packs):
+    config = default.get_config()
+    config.model.head_level_packing = choice
+    for devices in (1, 8):
+        assert families.create_model(config, 4, data_parallel_devices=devices).head.pack_levels is packs
+    assert create_training_model(config, 4, sharding.create_mesh(config.mesh)).head.pack_levels is packs
+
+
+def test_unknown_head_level_packing_is_a_config_error():
+    config = default.get_config()
+    config.model.head_level_packing = "sometimes"
+    with pytest.raises(ConfigError, match=r"^model\.head_level_packing='sometimes'; use one of auto, always, never$"):
+        families.create_model(config, 4, data_parallel_devices=8)
