@@ -30,6 +30,10 @@ def random_batch(
     values = {
         "image": rng.integers(0, 256, size=spec["image"].shape),
         "image_hw": np.broadcast_to((height, width), spec["image_hw"].shape),
+        # The identity: the pixels are the network image (with input.resize_on_device the step still resamples them).
+        "source_hw": np.broadcast_to((height, width), spec["source_hw"].shape),
+        "source_to_image": np.broadcast_to((1.0, 1.0, 0.0, 0.0), spec["source_to_image"].shape),
+        "source_flipped": np.zeros(b, bool),
         "boxes": boxes,
         "labels": labels,
         "boxes_mask": mask,

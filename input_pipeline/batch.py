@@ -5,7 +5,10 @@ front. (H, W) is `input.image_size` and M is `input.max_boxes`:
 
   key            dtype    shape          meaning (units)                         empty example
   image          uint8    [B, H, W, 3]   RGB pixels (0-255), image top-left      0
-  image_hw       int32    [B, 2]         (h, w) of the image in `image`, pixels  0
+  image_hw       int32    [B, 2]         (h, w) of the network image, pixels     0
+  source_hw      int32    [B, 2]         (h, w) of the pixels in `image`         0
+  source_to_image float32 [B, 4]         scale_y, scale_x, offset_y, offset_x    1
+  source_flipped bool     [B]            mirror `image` left-right first         False
   boxes          float32  [B, M, 4]      y0, x0, y1, x1, network-input pixels    0
   labels         int32    [B, M]         contiguous class labels, -1 = padding   -1
   boxes_mask     bool     [B, M]         True for a real box                     False
@@ -18,6 +21,14 @@ Images travel as uint8, a quarter of float32's host-to-device bytes; the
 jitted steps normalise them on the device with input.mean_rgb/std_rgb, where
 everything outside the top-left image_hw is padding and becomes 0 (the mean
 colour after normalisation), whatever its bytes hold.
+
+`image` holds the network image itself (source_hw = image_hw, geometry the
+identity: scale 1, offset 0, not flipped), except in training batches with
+input.resize_on_device: there it holds the source pixels a crop window
+samples (source_hw of them at the top-left), and the train step resamples
+them into the network image (a network-image coordinate is the source
+coordinate, mirrored first if source_flipped, times scale plus offset;
+`detector.ops.images.resample_images`).
 
 The input pipeline yields one per process (B = global_batch_size // process
 count), benchmarks make random ones, and the jitted steps are compiled for
@@ -56,6 +67,9 @@ class Field:
 FIELDS: dict[str, Field] = {
     "image": Field(np.dtype(np.uint8), lambda image_size, max_boxes: (*image_size, 3), 0),
     "image_hw": Field(np.dtype(np.int32), lambda image_size, max_boxes: (2,), 0),
+    "source_hw": Field(np.dtype(np.int32), lambda image_size, max_boxes: (2,), 0),
+    "source_to_image": Field(np.dtype(np.float32), lambda image_size, max_boxes: (4,), 1.0),
+    "source_flipped": Field(np.dtype(np.bool_), lambda image_size, max_boxes: (), False),
     "boxes": Field(np.dtype(np.float32), lambda image_size, max_boxes: (max_boxes, 4), 0.0),
     "labels": Field(np.dtype(np.int32), lambda image_size, max_boxes: (max_boxes,), -1),
     "boxes_mask": Field(np.dtype(np.bool_), lambda image_size, max_boxes: (max_boxes,), False),

@@ -139,12 +139,18 @@ def objective(config, model: nn.Module, num_classes: int) -> Objective:
     else:
         family = _dino_objective(config, model, num_classes)
     mean_rgb, std_rgb = _normalization(config.input)
+    resize_on_device = bool(config.input.resize_on_device)
 
     def network_images(images, image_hw):
         return images_lib.normalize_images(images, image_hw, mean_rgb, std_rgb)
 
     def loss(params, batch, rng=None, normalizer=None):
-        batch = {**batch, "image": network_images(batch["image"], batch["image_hw"])}
+        images = batch["image"]
+        if resize_on_device:
+            images = images_lib.resample_images(
+                images, batch["source_hw"], batch["source_to_image"], batch["source_flipped"]
+            )
+        batch = {**batch, "image": network_images(images, batch["image_hw"])}
         return family.loss(params, batch, rng, normalizer)
 
     def detect(params, images, image_hw):

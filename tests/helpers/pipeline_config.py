@@ -39,6 +39,7 @@ def make_config(data_dir, **overrides):
                 "min_box_size": 2.0,
                 "min_visible_fraction": 0.0,
                 "color_jitter": 0.0,
+                "resize_on_device": False,
                 "max_bad_fraction": 0.5,
                 "num_threads": None,
             },

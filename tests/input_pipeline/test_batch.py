@@ -32,6 +32,9 @@ def test_spec_matches_the_documented_layout():
     assert spec == {
         "image": ((4, 48, 56, 3), np.uint8),
         "image_hw": ((4, 2), np.int32),
+        "source_hw": ((4, 2), np.int32),
+        "source_to_image": ((4, 4), np.float32),
+        "source_flipped": ((4,), np.bool_),
         "boxes": ((4, 8, 4), np.float32),
         "labels": ((4, 8), np.int32),
         "boxes_mask": ((4, 8), np.bool_),

@@ -29,6 +29,9 @@ def test_train_batch_shapes_and_dtypes(data_dir):
     expected = {
         "image": ((8, *NET, 3), np.uint8),
         "image_hw": ((8, 2), np.int32),
+        "source_hw": ((8, 2), np.int32),
+        "source_to_image": ((8, 4), np.float32),
+        "source_flipped": ((8,), np.bool_),
         "boxes": ((8, MAX_BOXES, 4), np.float32),
         "labels": ((8, MAX_BOXES), np.int32),
         "boxes_mask": ((8, MAX_BOXES), np.bool_),
@@ -59,6 +62,34 @@ def test_train_batch_shapes_and_dtypes(data_dir):
     assert (batch["image_hw"] >= 1).all() and (batch["image_hw"] <= NET).all()
     for image, (height, width) in zip(batch["image"], batch["image_hw"]):
         assert not image[height:].any() and not image[:, width:].any()
+    # Resized on the host: nothing left for the device to do.
+    np.testing.assert_array_equal(batch["source_hw"], batch["image_hw"])
+    np.testing.assert_array_equal(batch["source_to_image"], np.tile([1.0, 1.0, 0.0, 0.0], (8, 1)))
+    assert not batch["source_flipped"].any()
+
+
+def test_batches_resized_on_the_device_equal_those_resized_on_the_host(data_dir):
+    """Same images, boxes and flips; after the train step's resample and normalisation the pixels agree."""
+    from detector.ops.images import normalize_images, resample_images
+
+    # 64 px sources into an 80x72 canvas: every crop window's source region fits, both shrunk and grown.
+    overrides = {"input.image_size": (80, 72), "input.scale_jitter": (0.3, 2.0)}
+    on_host = _take(input_pipeline.create_train_iterator(make_config(data_dir, **overrides)), 2)
+    on_device = _take(
+        input_pipeline.create_train_iterator(make_config(data_dir, **overrides, **{"input.resize_on_device": True})), 2
+    )
+    mean, std = (123.675, 116.28, 103.53), (58.395, 57.12, 57.375)
+    for host, device in zip(on_host, on_device):
+        for key in ("image_hw", "boxes", "labels", "boxes_mask", "image_id", "scale", "original_size"):
+            np.testing.assert_array_equal(host[key], device[key], err_msg=key)
+        assert (device["source_to_image"][:, :2] != 1.0).any() and device["source_flipped"].any()
+        resampled = resample_images(
+            device["image"], device["source_hw"], device["source_to_image"], device["source_flipped"]
+        )
+        got = np.asarray(normalize_images(resampled, device["image_hw"], mean, std))
+        want = np.asarray(normalize_images(host["image"], host["image_hw"], mean, std))
+        # The host rounds to uint8 (half a grey level); the device does not.
+        np.testing.assert_allclose(got, want, atol=(0.5 + 1e-2) / min(std))
 
 
 def test_train_is_deterministic_per_seed(data_dir):

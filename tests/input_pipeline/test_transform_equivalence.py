@@ -9,13 +9,20 @@ leaves normalising to the device; after `normalize_images` the two must
 agree to half a grey level over the standard deviation. Boxes do not
 change: their code is the same, and they are checked against the pixels in
 test_transforms.py.
+
+With input.resize_on_device the host ships the source pixels a window needs
+and the train step resamples them; after that resample and normalisation
+the network sees the host-resized image to half a grey level (the host's
+rounding), with the same boxes.
 """
+
+import dataclasses
 
 import numpy as np
 import pytest
 import tensorflow as tf
 
-from detector.ops.images import normalize_images
+from detector.ops.images import normalize_images, resample_images
 from input_pipeline import transforms
 
 MEAN = (123.675, 116.28, 103.53)
@@ -118,3 +125,39 @@ def test_train_transform_matches_the_float_reference_where_the_image_fits(height
     if (new_hw <= size).all():
         want = _reference_normalised(image, new_hw, (0, 0), window_hw, size)
         np.testing.assert_allclose(_normalised(out), want, atol=TOLERANCE_GREY_LEVELS / min(STD))
+
+
+def _on_the_device(out):
+    """A transform's output as the train step sees it: resampled (with input.resize_on_device) and normalised."""
+    batch = {key: value.numpy()[None] for key, value in out.items()}
+    resampled = resample_images(batch["image"], batch["source_hw"], batch["source_to_image"], batch["source_flipped"])
+    return np.asarray(normalize_images(resampled, batch["image_hw"], MEAN, STD))[0]
+
+
+@pytest.mark.parametrize("height, width, encoding", SOURCES)
+def test_train_transform_resized_on_the_device_matches_the_host(height, width, encoding):
+    image = _decoded(_photo(height, width, seed=height + 3), encoding)
+    rng = np.random.default_rng(height)
+    corners = np.sort(rng.uniform(0, 1, (6, 2, 2)), axis=1) * [height, width]  # [box, (min, max), (y, x)]
+    boxes = corners.reshape(6, 4)
+    example = {
+        "image": image,
+        "boxes": tf.constant(boxes, tf.float32),
+        "labels": tf.range(6),
+        "image_id": 1,
+    }
+    size = (384, 384)
+    on_host = transforms.TransformOptions(image_size=size, max_boxes=8, scale_jitter=(0.3, 4.0))
+    on_device = dataclasses.replace(on_host, resize_on_device=True)
+    ways = set()
+    for seed in range(8):
+        host = transforms.train_transform(example, tf.constant([seed, 5]), on_host)
+        device = transforms.train_transform(example, tf.constant([seed, 5]), on_device)
+        for key in ("boxes", "labels", "boxes_mask", "image_hw", "scale", "original_size"):
+            np.testing.assert_array_equal(host[key], device[key], err_msg=key)
+        np.testing.assert_allclose(_on_the_device(device), _on_the_device(host), atol=TOLERANCE_GREY_LEVELS / min(STD))
+        ways.add("device" if device["source_to_image"].numpy()[0] != 1.0 else "host")
+        assert (device["source_hw"].numpy() <= size).all()
+    # Grown windows always fit; a shrunk window of a source larger than the output samples more pixels than the
+    # output holds: the host resizes those.
+    assert "device" in ways and (("host" in ways) == (max(height, width) > size[0]))

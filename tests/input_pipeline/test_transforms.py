@@ -453,6 +453,7 @@ def _config(**input_overrides):
         min_box_size=1.0,
         min_visible_fraction=0.0,
         color_jitter=0.0,
+        resize_on_device=False,
     )
     inp.update(input_overrides)
     return ml_collections.ConfigDict({"input": inp})
@@ -473,3 +474,9 @@ def test_from_config_reads_and_validates_new_keys():
         with pytest.raises(ValueError, match=rf"input\.{key} must be in \[0, 1\]") as err:
             transforms.TransformOptions.from_config(_config(**{key: value}))
         assert "\n" not in str(err.value)
+
+
+def test_resizing_on_the_device_refuses_colour_jitter_it_cannot_apply():
+    assert transforms.TransformOptions.from_config(_config(resize_on_device=True)).resize_on_device
+    with pytest.raises(ValueError, match=r"input\.color_jitter=0\.4 needs the host to resize.*resize_on_device=False"):
+        transforms.TransformOptions.from_config(_config(resize_on_device=True, color_jitter=0.4))

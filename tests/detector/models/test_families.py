@@ -245,3 +245,31 @@ def test_loss_and_detect_normalise_on_the_device_and_ignore_the_padding(dino):
     assert not np.array_equal(
         detect(dino.params, changed["image"], changed["image_hw"])["scores"], detections["scores"]
     )
+
+
+def test_with_resize_on_device_the_loss_sees_the_resampled_source_pixels(dino):
+    """The train step resamples the shipped source (here shifted and mirrored: whole pixels, so exactly) first."""
+    from detector.ops.images import resample_images
+
+    config = dino_config()
+    config.input.resize_on_device = True
+    model = families.create_model(config, NUM_CLASSES)
+    loss_on_device = jax.jit(families.objective(config, model, NUM_CLASSES).loss)
+    rng = jax.random.key(3)
+    shipped = make_batch(seed=4)
+    shipped["image"][:, 50:] = 255  # beyond the source: must not leak in
+    shipped["image"][:, :, 40:] = 255
+    shipped["source_hw"][:] = (50, 40)
+    shipped["source_to_image"][:] = (1.0, 1.0, -3.0, -5.0)
+    shipped["source_flipped"][:] = (True, False)
+    resampled = np.asarray(
+        resample_images(shipped["image"], shipped["source_hw"], shipped["source_to_image"], shipped["source_flipped"])
+    )
+    assert np.abs(resampled[0] - resampled[0, :, ::-1]).max() > 1  # not symmetric: the flip matters
+    np.testing.assert_array_equal(resampled[1, :47, :35], shipped["image"][1, 3:50, 5:40])
+    on_host = {**shipped, "image": resampled.astype(np.uint8)}  # what the host would have shipped
+    got = scalars(*loss_on_device(dino.params, shipped, rng))
+    want = scalars(*dino.loss(dino.params, on_host, rng))
+    np.testing.assert_allclose(got[0], want[0], rtol=1e-5)
+    # Without the resample, the same bytes are a different image.
+    assert abs(scalars(*dino.loss(dino.params, shipped, rng))[0] - want[0]) > 1e-3
