@@ -18,7 +18,7 @@ def random_batch(
     b = config.global_batch_size
     height, width = config.input.image_size
     max_boxes = config.input.max_boxes
-    spec = batch_layout.batch_spec(b, (height, width), max_boxes)
+    spec = batch_layout.batch_spec(b, batch_layout.training_image_size(config.input), max_boxes)
     k = min(boxes_per_image, max_boxes)
     corners = rng.uniform(0.0, 1.0, size=(b, k, 2, 2)) * np.array([height, width])
     boxes = np.zeros(spec["boxes"].shape, spec["boxes"].dtype)

@@ -205,6 +205,11 @@ def base_config() -> ml_collections.ConfigDict:
     # resizes them on the device (DALI-style), where resizing on the host is
     # the costliest part of large-scale jitter; needs color_jitter 0.
     config.input.resize_on_device = False
+    # (H, W) of those shipped sources, at least image_size; None: image_size.
+    # A window whose source pixels do not fit is resized on the host, so a
+    # dataset of images larger than image_size wants it larger (e.g. 1344 for
+    # 1333 px images at 1024).
+    config.input.source_size = ml_collections.FieldReference(None, field_type=tuple)
     # Stop instead of training on what is left when more than this fraction of
     # the images cannot be used.
     config.input.max_bad_fraction = 0.5

@@ -28,7 +28,9 @@ input.resize_on_device: there it holds the source pixels a crop window
 samples (source_hw of them at the top-left), and the train step resamples
 them into the network image (a network-image coordinate is the source
 coordinate, mirrored first if source_flipped, times scale plus offset;
-`detector.ops.images.resample_images`).
+`detector.ops.images.resample_images`). Those training batches' `image` is
+`training_image_size(input_config)`, which input.source_size can make
+larger than the network input, so larger sources still fit.
 
 The input pipeline yields one per process (B = global_batch_size // process
 count), benchmarks make random ones, and the jitted steps are compiled for
@@ -79,6 +81,15 @@ FIELDS: dict[str, Field] = {
     "example_mask": Field(np.dtype(np.bool_), lambda image_size, max_boxes: (), False),
 }
 KEYS = tuple(FIELDS)
+
+
+def training_image_size(input_config) -> tuple[int, int]:
+    """(H, W) of the `image` of training batches: `input.source_size` with `input.resize_on_device` if set, else
+    `input.image_size` (what every other batch holds)."""
+    image_size = tuple(int(v) for v in input_config.image_size)
+    if not input_config.resize_on_device or input_config.source_size is None:
+        return image_size
+    return tuple(int(v) for v in input_config.source_size)
 
 
 class ArraySpec(NamedTuple):

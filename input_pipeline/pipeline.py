@@ -106,10 +106,10 @@ def _read_records(reader: datasets.cache.RecordReader, record_ids: tf.Tensor) ->
     return tf.ensure_shape(serialized, record_ids.shape)
 
 
-def _masked_example(opts: transforms.TransformOptions, decode_failed) -> dict:
+def _masked_example(image_size, max_boxes: int, decode_failed) -> dict:
     """batch_layout.empty_example as tensors, with the REPORT_KEYS flags."""
     example = batch_layout.empty_example(
-        opts.image_size, opts.max_boxes, full=lambda shape, value, dtype: tf.fill(shape, tf.constant(value, dtype))
+        image_size, max_boxes, full=lambda shape, value, dtype: tf.fill(shape, tf.constant(value, dtype))
     )
     return {
         **example,
@@ -135,7 +135,7 @@ def _decode(serialized: tf.Tensor) -> dict:
     }
 
 
-def _guarded(transform, opts: transforms.TransformOptions):
+def _guarded(transform, image_size, max_boxes: int):
     """Per-example decode + transform that turns a failure into a masked example.
 
     tf.data cannot catch an op error inside a map function, but a one-element
@@ -155,15 +155,17 @@ def _guarded(transform, opts: transforms.TransformOptions):
         args = (position, record_id, serialized)
         good = tf.data.Dataset.from_tensors(args).map(run).ignore_errors()
         fallback = tf.data.Dataset.from_tensors(record_id).map(
-            lambda rid: _masked_example(opts, decode_failed=rid >= 0)
+            lambda rid: _masked_example(image_size, max_boxes, decode_failed=rid >= 0)
         )
         return good.concatenate(fallback).take(1)
 
     return process
 
 
-def _build(config, positions: tf.data.Dataset, record_of_position, reader, transform, batch: int) -> tf.data.Dataset:
-    opts = transforms.TransformOptions.from_config(config)
+def _build(
+    config, positions: tf.data.Dataset, record_of_position, reader, transform, batch: int, image_size
+) -> tf.data.Dataset:
+    """Batches of `batch` transformed examples whose `image` is `image_size` (H, W)."""
 
     def read(positions):
         record_ids = record_of_position(positions)
@@ -172,7 +174,7 @@ def _build(config, positions: tf.data.Dataset, record_of_position, reader, trans
     ds = positions.map(read, num_parallel_calls=tf.data.AUTOTUNE)
     ds = ds.unbatch()
     ds = ds.interleave(
-        _guarded(transform, opts),
+        _guarded(transform, image_size, int(config.input.max_boxes)),
         cycle_length=max(2, int(_options(config).threading.private_threadpool_size)),
         num_parallel_calls=tf.data.AUTOTUNE,
         deterministic=True,
@@ -236,7 +238,9 @@ def train_dataset(
         return transforms.train_transform(example, example_seed, opts)
 
     positions = _local_positions(int(start_position), int(config.global_batch_size), first_row, batch, None)
-    return _build(config, positions, record_of_position, split.open_reader(), transform, batch)
+    return _build(
+        config, positions, record_of_position, split.open_reader(), transform, batch, opts.training_image_size
+    )
 
 
 def eval_dataset(
@@ -265,6 +269,7 @@ def eval_dataset(
         split.open_reader(),
         lambda example, position: transforms.eval_transform(example, opts),
         batch,
+        opts.image_size,
     )
     return ds, num_batches
 

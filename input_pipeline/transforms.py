@@ -25,7 +25,9 @@ import dataclasses
 
 import tensorflow as tf
 
+from input_pipeline import batch as batch_layout
 from input_pipeline import box_geometry
+from input_pipeline.dataset_errors import DatasetError
 
 
 @dataclasses.dataclass(frozen=True)
@@ -47,9 +49,11 @@ class TransformOptions:
       resize_on_device: training ships the decoded pixels a crop window
         needs, with the geometry that maps them to it, and the jitted step
         resizes and mirrors them (`detector.ops.images.resample_images`);
-        windows whose source region does not fit in image_size are still
+        windows whose source region does not fit in source_size are still
         resized on the host. Needs color_jitter 0 (the jitter acts on the
         resized pixels).
+      source_size: (H', W') of training images with resize_on_device, at
+        least image_size: the largest source region shipped as it is.
     """
 
     image_size: tuple[int, int]
@@ -60,6 +64,12 @@ class TransformOptions:
     min_visible_fraction: float = 0.0
     color_jitter: float = 0.0
     resize_on_device: bool = False
+    source_size: tuple[int, int] | None = None
+
+    @property
+    def training_image_size(self) -> tuple[int, int]:
+        """(H, W) of the training examples' `image`: source_size with resize_on_device, else image_size."""
+        return self.source_size if self.resize_on_device and self.source_size else self.image_size
 
     @classmethod
     def from_config(cls, config) -> TransformOptions:
@@ -67,19 +77,29 @@ class TransformOptions:
         size = tuple(int(v) for v in inp.image_size)
         jitter = tuple(float(v) for v in inp.scale_jitter)
         if len(size) != 2 or min(size) <= 0:
-            raise ValueError(f"input.image_size must be (H, W) > 0, got {size}")
+            raise DatasetError(f"input.image_size must be (H, W) > 0, got {size}")
         if len(jitter) != 2 or not 0 < jitter[0] <= jitter[1]:
-            raise ValueError(f"input.scale_jitter must be 0 < min <= max, got {jitter}")
+            raise DatasetError(f"input.scale_jitter must be 0 < min <= max, got {jitter}")
         min_visible = float(inp.min_visible_fraction)
         color_jitter = float(inp.color_jitter)
         for name, value in (("min_visible_fraction", min_visible), ("color_jitter", color_jitter)):
             if not 0.0 <= value <= 1.0:  # Also rejects NaN.
-                raise ValueError(f"input.{name} must be in [0, 1], got {value}")
+                raise DatasetError(f"input.{name} must be in [0, 1], got {value}")
         resize_on_device = bool(inp.resize_on_device)
         if resize_on_device and color_jitter > 0:
-            raise ValueError(
+            raise DatasetError(
                 f"input.color_jitter={color_jitter} needs the host to resize: set input.resize_on_device=False, "
                 "or input.color_jitter=0"
+            )
+        source_size = batch_layout.training_image_size(inp)
+        if inp.source_size is not None and not resize_on_device:
+            raise DatasetError(
+                f"input.source_size={tuple(inp.source_size)} applies only with input.resize_on_device=True; set "
+                "that, or input.source_size=None"
+            )
+        if len(source_size) != 2 or source_size[0] < size[0] or source_size[1] < size[1]:
+            raise DatasetError(
+                f"input.source_size={source_size} must be (H, W) at least input.image_size={size} (or None: the same)"
             )
         return cls(
             image_size=size,
@@ -90,6 +110,7 @@ class TransformOptions:
             min_visible_fraction=min_visible,
             color_jitter=color_jitter,
             resize_on_device=resize_on_device,
+            source_size=source_size,
         )
 
 
@@ -365,12 +386,14 @@ def _identity_geometry(image_hw: tf.Tensor) -> tuple[tf.Tensor, tf.Tensor, tf.Te
     return image_hw, tf.constant([1.0, 1.0, 0.0, 0.0]), tf.constant(False)
 
 
-def _finish(image, image_hw, boxes, labels, image_id, scale, original_hw, source, opts: TransformOptions) -> dict:
+def _finish(
+    image, image_hw, boxes, labels, image_id, scale, original_hw, source, opts: TransformOptions, canvas_size
+) -> dict:
     truncated = tf.shape(boxes)[0] > opts.max_boxes
     boxes, labels, mask = pad_boxes(boxes, labels, opts.max_boxes)
     source_hw, source_to_image, source_flipped = source
     return {
-        "image": tf.ensure_shape(pad_bottom_right(image, opts.image_size), [*opts.image_size, 3]),
+        "image": tf.ensure_shape(pad_bottom_right(image, canvas_size), [*canvas_size, 3]),
         "image_hw": tf.ensure_shape(tf.cast(image_hw, tf.int32), [2]),
         "source_hw": tf.ensure_shape(tf.cast(source_hw, tf.int32), [2]),
         "source_to_image": tf.ensure_shape(source_to_image, [4]),
@@ -469,7 +492,7 @@ def train_transform(example: dict, seed: tf.Tensor, opts: TransformOptions) -> d
             offset = tf.cast(start, tf.float32) * axis_scale - tf.cast(offset_yx, tf.float32)
             return region, region_hw, tf.concat([axis_scale, offset], 0), flipped
 
-        fits = tf.reduce_all(region_hw <= tf.constant(opts.image_size, tf.int32))
+        fits = tf.reduce_all(region_hw <= tf.constant(opts.training_image_size, tf.int32))
         pixels, *source = tf.cond(fits, resized_on_device, resized_on_host)
     else:
         pixels, *source = resized_on_host()
@@ -481,7 +504,8 @@ def train_transform(example: dict, seed: tf.Tensor, opts: TransformOptions) -> d
     else:
         boxes = clipped
     boxes, labels = drop_small_boxes(boxes, labels, opts.min_box_size)
-    return _finish(pixels, window_hw, boxes, labels, example["image_id"], scale, original_hw, source, opts)
+    canvas_size = opts.training_image_size
+    return _finish(pixels, window_hw, boxes, labels, example["image_id"], scale, original_hw, source, opts, canvas_size)
 
 
 def eval_transform(example: dict, opts: TransformOptions) -> dict:
@@ -505,4 +529,6 @@ def eval_transform(example: dict, opts: TransformOptions) -> dict:
     boxes = _clip_boxes(boxes * scale, out_h, out_w)
     boxes, labels = drop_small_boxes(boxes, labels, 0.0)
     source = _identity_geometry(new_hw)
-    return _finish(to_pixels(image), new_hw, boxes, labels, example["image_id"], scale, original_hw, source, opts)
+    return _finish(
+        to_pixels(image), new_hw, boxes, labels, example["image_id"], scale, original_hw, source, opts, opts.image_size
+    )

@@ -140,6 +140,7 @@ def objective(config, model: nn.Module, num_classes: int) -> Objective:
         family = _dino_objective(config, model, num_classes)
     mean_rgb, std_rgb = _normalization(config.input)
     resize_on_device = bool(config.input.resize_on_device)
+    image_size = tuple(int(v) for v in config.input.image_size)
 
     def network_images(images, image_hw):
         return images_lib.normalize_images(images, image_hw, mean_rgb, std_rgb)
@@ -148,7 +149,7 @@ def objective(config, model: nn.Module, num_classes: int) -> Objective:
         images = batch["image"]
         if resize_on_device:
             images = images_lib.resample_images(
-                images, batch["source_hw"], batch["source_to_image"], batch["source_flipped"]
+                images, batch["source_hw"], batch["source_to_image"], batch["source_flipped"], image_size
             )
         batch = {**batch, "image": network_images(images, batch["image_hw"])}
         return family.loss(params, batch, rng, normalizer)

@@ -63,7 +63,11 @@ def _triangle_weights(
 
 
 def resample_images(
-    images: jax.Array, source_hw: jax.Array, source_to_image: jax.Array, source_flipped: jax.Array
+    images: jax.Array,
+    source_hw: jax.Array,
+    source_to_image: jax.Array,
+    source_flipped: jax.Array,
+    image_size: Sequence[int] | None = None,
 ) -> jax.Array:
     """Each example's source pixels resized, shifted and mirrored into its network image, on the device.
 
@@ -83,15 +87,17 @@ def resample_images(
         offset_x): a network-image coordinate is the source coordinate times
         scale plus offset (pixel edges, after the mirroring).
       source_flipped: bool `[B]`, mirror the source region left-right first.
+      image_size: (H', W') of the network images (static); default (H, W).
 
     Returns:
-      float32 `[B, H, W, 3]`, 0-255 units; pixels sampling no source pixel are 0.
+      float32 `[B, H', W', 3]`, 0-255 units; pixels sampling no source pixel are 0.
     """
-    height, width = images.shape[1:3]
+    source_height, source_width = images.shape[1:3]
+    height, width = image_size or (source_height, source_width)
 
     def one(image, hw, geometry, flipped):
-        rows = _triangle_weights(height, height, hw[0], geometry[0], geometry[2], False)
-        columns = _triangle_weights(width, width, hw[1], geometry[1], geometry[3], flipped)
+        rows = _triangle_weights(height, source_height, hw[0], geometry[0], geometry[2], False)
+        columns = _triangle_weights(width, source_width, hw[1], geometry[1], geometry[3], flipped)
         # HIGHEST: a TF32/bf16 matmul would cost up to a grey level.
         resized = jnp.einsum("oy,yxc->oxc", rows, image.astype(jnp.float32), precision=jax.lax.Precision.HIGHEST)
         return jnp.einsum("px,oxc->opc", columns, resized, precision=jax.lax.Precision.HIGHEST)

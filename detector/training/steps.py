@@ -171,12 +171,18 @@ def predict_step(
 
 
 def abstract_batch(
-    config: ml_collections.ConfigDict, global_batch_size: int, batch_sharding: jax.sharding.NamedSharding
+    config: ml_collections.ConfigDict,
+    global_batch_size: int,
+    batch_sharding: jax.sharding.NamedSharding,
+    *,
+    training: bool = False,
 ) -> dict[str, jax.ShapeDtypeStruct]:
-    """One global batch of `config` as ShapeDtypeStructs carrying `batch_sharding` (see input_pipeline.batch)."""
-    return batch_layout.abstract_batch(
-        global_batch_size, config.input.image_size, config.input.max_boxes, sharding=batch_sharding
-    )
+    """One global batch of `config` as ShapeDtypeStructs carrying `batch_sharding` (see input_pipeline.batch).
+
+    `training`: a training batch, whose images may be larger source canvases (`input.source_size`).
+    """
+    image_size = batch_layout.training_image_size(config.input) if training else config.input.image_size
+    return batch_layout.abstract_batch(global_batch_size, image_size, config.input.max_boxes, sharding=batch_sharding)
 
 
 def ema_decay_of(optimizer_config) -> float:
@@ -243,7 +249,7 @@ def compile_train_step(
         donate_argnums=0,
     )
     compiled = train_fn.lower(
-        abstract_state, abstract_batch(config, config.global_batch_size, batch_sharding)
+        abstract_state, abstract_batch(config, config.global_batch_size, batch_sharding, training=True)
     ).compile()
     return compiled, abstract_state, shardings
 

@@ -47,7 +47,7 @@ def plan_train_step(config, devices=None) -> StepPlan:
         )
     seconds = time.perf_counter() - start
     batch = steps.abstract_batch(
-        config, config.global_batch_size, sharding.batch_sharding(mesh, sharding.batch_axes(mesh))
+        config, config.global_batch_size, sharding.batch_sharding(mesh, sharding.batch_axes(mesh)), training=True
     )
     return plan_from_compiled(compiled, abstract_state, batch, dict(mesh.shape), config.global_batch_size, seconds)
 
@@ -60,7 +60,7 @@ def log_step_plan(config, compiled_train, abstract_state, mesh: jax.sharding.Mes
         step_plan = plan_from_compiled(
             compiled_train,
             abstract_state,
-            steps.abstract_batch(config, config.global_batch_size, batch_sharding),
+            steps.abstract_batch(config, config.global_batch_size, batch_sharding, training=True),
             dict(mesh.shape),
             config.global_batch_size,
         )

@@ -182,7 +182,7 @@ def test_r50_train_step_compiles_on_8_devices():
             donate_argnums=0,
         )
         compiled = train_fn.lower(
-            abstract_state, steps.abstract_batch(config, config.global_batch_size, batch_sharding)
+            abstract_state, steps.abstract_batch(config, config.global_batch_size, batch_sharding, training=True)
         ).compile()
 
     # RetinaNet R50-FPN: torchvision's has 34.01M parameters with 91 classes,

@@ -90,6 +90,11 @@ def _cases(tmp: pathlib.Path) -> dict[str, dict]:
             code=2,
             patterns=[r"no_such_config\.py", r"(?i)no such file|not found|does not exist|cannot (load|open|read)"],
         ),
+        "bad_input_option": dict(
+            args=["--config.input.scale_jitter=(2.0,1.0)"],
+            code=1,
+            patterns=[re.escape("input.scale_jitter must be 0 < min <= max, got (2.0, 1.0)")],
+        ),
         # --verbose: the same bad mesh, now with the traceback (checked separately).
         "verbose_wrong_mesh": dict(args=["--verbose", "--config.mesh.data=3"], code=1, patterns=[]),
     }
@@ -106,6 +111,7 @@ CASE_NAMES = [
     "partial_distributed_flags",
     "data_dir_parent_missing",
     "config_file_missing",
+    "bad_input_option",
 ]
 
 

@@ -40,6 +40,7 @@ def make_config(data_dir, **overrides):
                 "min_visible_fraction": 0.0,
                 "color_jitter": 0.0,
                 "resize_on_device": False,
+                "source_size": None,
                 "max_bad_fraction": 0.5,
                 "num_threads": None,
             },

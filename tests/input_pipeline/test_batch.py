@@ -10,7 +10,7 @@ from jax.sharding import AxisType, NamedSharding, PartitionSpec
 
 import input_pipeline
 from input_pipeline import batch as batch_layout
-from input_pipeline import pipeline, transforms
+from input_pipeline import pipeline
 from tests.helpers import REPO_ROOT
 from tests.helpers.pipeline_config import MAX_BOXES, NET, make_config
 
@@ -67,6 +67,23 @@ def test_pipeline_batches_have_exactly_the_abstract_batch_layout(config, which):
     assert _layout(batch) == {k: (v.shape, v.dtype) for k, v in abstract.items()}
 
 
+def test_training_batches_resized_on_the_device_carry_source_size_images(config):
+    """input.source_size: the training batches' images (the abstract batch's too) are the larger source canvas."""
+    from detector.training import steps
+
+    source_size = (NET[0] + 16, NET[1] + 8)
+    overrides = {"input.resize_on_device": True, "input.source_size": source_size}
+    larger = config.copy_and_resolve_references()
+    larger.update_from_flattened_dict(overrides)
+    assert batch_layout.training_image_size(larger.input) == source_size
+    assert batch_layout.training_image_size(config.input) == NET
+    batch = next(input_pipeline.create_train_iterator(larger))
+    abstract = steps.abstract_batch(larger, int(larger.global_batch_size), None, training=True)
+    assert _layout(batch) == {k: (v.shape, v.dtype) for k, v in abstract.items()}
+    assert batch["image"].shape[1:3] == source_size
+    assert steps.abstract_batch(larger, 4, None)["image"].shape == (4, *NET, 3)  # eval and predict batches
+
+
 def test_empty_example_is_masked_and_matches_the_pipeline_fallback():
     empty = batch_layout.empty_example(NET, MAX_BOXES)
     assert _layout(empty) == batch_layout.example_spec(NET, MAX_BOXES)
@@ -74,8 +91,7 @@ def test_empty_example_is_masked_and_matches_the_pipeline_fallback():
     assert empty["image_id"] == -1 and (empty["labels"] == -1).all() and empty["scale"] == 1.0
     assert not empty["image"].any() and not empty["boxes"].any() and not empty["original_size"].any()
     # What the tf.data graph puts in an undecodable image's slot is the same example, as tensors.
-    opts = transforms.TransformOptions(image_size=NET, max_boxes=MAX_BOXES)
-    fallback = pipeline._masked_example(opts, decode_failed=tf.constant(True))
+    fallback = pipeline._masked_example(NET, MAX_BOXES, decode_failed=tf.constant(True))
     assert set(fallback) == {*batch_layout.KEYS, *pipeline.REPORT_KEYS}
     for key in batch_layout.KEYS:
         value = fallback[key].numpy()

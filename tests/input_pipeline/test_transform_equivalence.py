@@ -161,3 +161,24 @@ def test_train_transform_resized_on_the_device_matches_the_host(height, width, e
     # Grown windows always fit; a shrunk window of a source larger than the output samples more pixels than the
     # output holds: the host resizes those.
     assert "device" in ways and (("host" in ways) == (max(height, width) > size[0]))
+
+
+def test_a_source_size_larger_than_the_output_moves_shrunk_windows_to_the_device():
+    height, width = 900, 300
+    image = _decoded(_photo(height, width, seed=11), "jpeg")
+    example = {"image": image, "boxes": tf.constant([[10.0, 20.0, 400.0, 250.0]]), "labels": tf.constant([1])}
+    example["image_id"] = 1
+    on_host = transforms.TransformOptions(image_size=(256, 192), max_boxes=4, scale_jitter=(0.2, 1.2))
+    on_device = dataclasses.replace(on_host, resize_on_device=True, source_size=(912, 304))
+    for seed in range(4):
+        host = transforms.train_transform(example, tf.constant([seed, 1]), on_host)
+        device = transforms.train_transform(example, tf.constant([seed, 1]), on_device)
+        assert device["image"].shape == (912, 304, 3) and host["image"].shape == (256, 192, 3)
+        assert device["source_to_image"].numpy()[0] < 1  # shrunk, and on the device
+        np.testing.assert_array_equal(host["boxes"], device["boxes"])
+        batch = {key: value.numpy()[None] for key, value in device.items()}
+        resampled = resample_images(
+            batch["image"], batch["source_hw"], batch["source_to_image"], batch["source_flipped"], (256, 192)
+        )
+        got = np.asarray(normalize_images(resampled, batch["image_hw"], MEAN, STD))[0]
+        np.testing.assert_allclose(got, _on_the_device(host), atol=TOLERANCE_GREY_LEVELS / min(STD))

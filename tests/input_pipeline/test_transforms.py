@@ -454,6 +454,7 @@ def _config(**input_overrides):
         min_visible_fraction=0.0,
         color_jitter=0.0,
         resize_on_device=False,
+        source_size=None,
     )
     inp.update(input_overrides)
     return ml_collections.ConfigDict({"input": inp})
@@ -474,6 +475,16 @@ def test_from_config_reads_and_validates_new_keys():
         with pytest.raises(ValueError, match=rf"input\.{key} must be in \[0, 1\]") as err:
             transforms.TransformOptions.from_config(_config(**{key: value}))
         assert "\n" not in str(err.value)
+
+
+def test_source_size_needs_resize_on_device_and_must_hold_the_image_size():
+    opts = transforms.TransformOptions.from_config(_config(resize_on_device=True, source_size=(96, 64)))
+    assert opts.training_image_size == (96, 64) and opts.image_size == (64, 64)
+    assert transforms.TransformOptions.from_config(_config(resize_on_device=True)).training_image_size == (64, 64)
+    with pytest.raises(ValueError, match=r"input\.source_size=\(96, 64\) applies only with input\.resize_on_device"):
+        transforms.TransformOptions.from_config(_config(source_size=(96, 64)))
+    with pytest.raises(ValueError, match=r"input\.source_size=\(96, 32\) must be \(H, W\) at least input\.image_size"):
+        transforms.TransformOptions.from_config(_config(resize_on_device=True, source_size=(96, 32)))
 
 
 def test_resizing_on_the_device_refuses_colour_jitter_it_cannot_apply():
