@@ -17,7 +17,9 @@ Prints a markdown table: pipeline, output size, tf.data threads, images/s,
 images/s per thread (one thread keeps one host core busy), ms per batch, and
 the host cores a host with --accelerators accelerators training at
 --images_per_second images/s each needs for input alone (their product over
-the images/s per thread, rounded up). Compare images/s with the train step's
+the images/s per thread, rounded up), and the share of images the host
+resized: "all" without input.resize_on_device; with it, those whose crop
+window's source pixels did not fit the source canvas (input.source_size). Compare images/s with the train step's
 images/s per host (benchmarks.scaling, benchmarks.gpu): below it, training
 waits for input (the trainer logs that wait as `input wait`).
 """
@@ -30,6 +32,7 @@ import os
 import tempfile
 import time
 
+import numpy as np
 from absl import app, flags
 
 from benchmarks import report
@@ -47,7 +50,6 @@ _IMAGES_PER_SECOND = flags.DEFINE_float(
 
 def _write_coco_folder(root: str, num_images: int) -> tuple[str, str]:
     """A COCO-format folder of 640x480 JPEGs with 7 random boxes each; returns (json, image dir)."""
-    import numpy as np
     from PIL import Image
 
     image_dir = os.path.join(root, "images")
@@ -81,6 +83,14 @@ def _write_coco_folder(root: str, num_images: int) -> tuple[str, str]:
     with open(json_path, "w") as f:
         json.dump({"images": images, "annotations": annotations, "categories": categories}, f)
     return json_path, image_dir
+
+
+def _resized_on_the_host(batch) -> np.ndarray:
+    """bool [B]: with input.resize_on_device, the examples the host still resized (their window's source did not
+    fit): the identity geometry on an image of another size than the original."""
+    identity = (batch["source_to_image"] == np.float32([1, 1, 0, 0])).all(-1) & ~batch["source_flipped"]
+    resized = (batch["image_hw"] != batch["original_size"]).any(-1)
+    return batch["example_mask"] & identity & resized
 
 
 def _config(name: str, root: str):
@@ -118,8 +128,11 @@ def main(argv: list[str]) -> None:
             for _ in range(3):
                 next(iterator)
             start = time.perf_counter()
+            examples, on_host = 0, 0
             for _ in range(_BATCHES.value):
-                next(iterator)
+                batch_arrays = next(iterator)
+                examples += int(batch_arrays["example_mask"].sum())
+                on_host += int(_resized_on_the_host(batch_arrays).sum())
             elapsed = time.perf_counter() - start
             batch = config.global_batch_size
             used_threads = input_pipeline.num_threads(config)
@@ -134,6 +147,7 @@ def main(argv: list[str]) -> None:
                     images_per_s / used_threads,
                     1000 * elapsed / _BATCHES.value,
                     math.ceil(_ACCELERATORS.value * _IMAGES_PER_SECOND.value * used_threads / images_per_s),
+                    f"{100 * on_host / max(examples, 1):.0f}%" if config.input.resize_on_device else "all",
                 )
             )
             print(f"{name}: {images_per_s:.1f} images/s", flush=True)
@@ -149,6 +163,7 @@ def main(argv: list[str]) -> None:
             "images/s per thread",
             "ms/batch",
             f"host cores for {_ACCELERATORS.value} x {_IMAGES_PER_SECOND.value:g} images/s",
+            "resized on the host",
         ],
         rows,
         extra={"accelerators": _ACCELERATORS.value, "images_per_second_per_accelerator": _IMAGES_PER_SECOND.value},

@@ -249,7 +249,9 @@ def test_input_pipeline_reports_the_host_cores_a_host_of_accelerators_needs(tmp_
     result = _run(
         "benchmarks.input_pipeline",
         "--pipelines=default",
-        "--batches=2",
+        "--pipelines=coco_lsj",
+        "--coco_images=16",
+        "--batches=1",
         "--accelerators=4",
         "--images_per_second=250",
         f"--workdir={tmp_path}",
@@ -259,8 +261,11 @@ def test_input_pipeline_reports_the_host_cores_a_host_of_accelerators_needs(tmp_
     assert result.returncode == 0, result.stderr[-3000:]
     with open(tmp_path / "input_pipeline.json") as f:
         record = json.load(f)
-    [row] = record["rows"]
-    per_thread = row["images/s per thread"]
-    assert per_thread > 0
-    assert row["host cores for 4 x 250 images/s"] == math.ceil(4 * 250 / per_thread)
+    default, coco_lsj = record["rows"]
+    for row in (default, coco_lsj):
+        per_thread = row["images/s per thread"]
+        assert per_thread > 0
+        assert row["host cores for 4 x 250 images/s"] == math.ceil(4 * 250 / per_thread)
     assert (record["accelerators"], record["images_per_second_per_accelerator"]) == (4, 250.0)
+    # The default config resizes on the host; COCO's 640x480 JPEGs fit a 1024 px window's source canvas.
+    assert (default["resized on the host"], coco_lsj["resized on the host"]) == ("all", "0%")
