@@ -27,9 +27,14 @@ def random_batch(config, seed: int) -> dict[str, np.ndarray]:
     sizes = rng.uniform(h * 0.1, h * 0.4, size=(b, m, 2))
     boxes = np.concatenate([corners, corners + sizes], axis=-1).astype(np.float32)
     boxes_mask = np.arange(m)[None, :] < rng.integers(1, 4, size=(b, 1))
+    image_hw = np.stack([rng.integers(h // 2, h + 1, size=b), np.full(b, w)], -1).astype(np.int32)
     return {
         "image": rng.integers(0, 256, size=(b, h, w, 3), dtype=np.uint8),
-        "image_hw": np.stack([rng.integers(h // 2, h + 1, size=b), np.full(b, w)], -1).astype(np.int32),
+        "image_hw": image_hw,
+        # Resized on the host: the identity geometry.
+        "source_hw": image_hw,
+        "source_to_image": np.tile(np.float32([1, 1, 0, 0]), (b, 1)),
+        "source_flipped": np.zeros((b,), bool),
         "boxes": np.where(boxes_mask[..., None], boxes, 0).astype(np.float32),
         "labels": np.where(boxes_mask, rng.integers(0, NUM_CLASSES, size=(b, m)), -1).astype(np.int32),
         "boxes_mask": boxes_mask,
@@ -50,6 +55,9 @@ def check_sharded_training(config, mesh_shape, expected_axes):
     config.optimizer.learning_rate = 0.05
     config.optimizer.warmup_steps = 0
     config.total_steps = 3
+    # Both runs pack the head's levels, as training on a data-parallel mesh does
+    # ("auto"), so they differ only in how the work is split.
+    config.model.head_level_packing = "always"
     model = families.create_model(config, NUM_CLASSES)
     initial = jax.device_get(
         flax.linen.meta.unbox(
