@@ -136,6 +136,10 @@ class _QuietLibraries(pylogging.Filter):
     """Keeps the libraries' INFO chatter (one line per checkpoint file) out of the log."""
 
     def filter(self, record: pylogging.LogRecord) -> bool:
+        if record.name == "asyncio" and "/orbax/" in record.getMessage():
+            # "Task exception was never retrieved" for an Orbax write that
+            # failed beside the one the command reports: the same failure again.
+            return bool(flags.FLAGS["verbose"].value)
         if "/orbax/" not in record.pathname:
             return True
         if record.exc_info and not flags.FLAGS["verbose"].value:

@@ -208,3 +208,29 @@ def test_ctrl_c_while_starting_is_one_error_line(tmp_path, tmp_path_factory):
     assert [line for line in lines if line.strip()][-1].startswith(
         "error: interrupted (Ctrl-C while starting); rerun the same command"
     ), output[-3000:]
+
+
+def test_asyncio_reports_of_orbax_writes_that_failed_beside_the_reported_one_are_dropped():
+    """After a failed checkpoint write, asyncio logs each Orbax write task whose exception nobody awaited."""
+    import logging
+
+    from absl import flags
+
+    from detector import cli
+
+    def record(name, message):
+        return logging.LogRecord(name, logging.ERROR, "/x/asyncio/base_events.py", 1, message, None, None)
+
+    orbax_task = (
+        "Task exception was never retrieved\nfuture: <Task finished coro=<write_fragment() done, defined at "
+        "/venv/site-packages/orbax/checkpoint/_src/serialization/serialization.py:188>>"
+    )
+    quiet = cli._QuietLibraries()
+    assert not quiet.filter(record("asyncio", orbax_task))
+    assert quiet.filter(record("asyncio", "Task exception was never retrieved\nfuture: <Task ... /mine/app.py>"))
+    assert quiet.filter(record("detector", orbax_task))  # only asyncio's reports
+    flags.FLAGS["verbose"].value = True
+    try:
+        assert quiet.filter(record("asyncio", orbax_task))  # --verbose shows everything
+    finally:
+        flags.FLAGS["verbose"].value = False
