@@ -88,7 +88,9 @@ def _write_coco_folder(root: str, num_images: int) -> tuple[str, str]:
 def _resized_on_the_host(batch) -> np.ndarray:
     """bool [B]: with input.resize_on_device, the examples the host still resized (their window's source did not
     fit): the identity geometry on an image of another size than the original."""
-    identity = (batch["source_to_image"] == np.float32([1, 1, 0, 0])).all(-1) & ~batch["source_flipped"]
+    from input_pipeline.batch import IDENTITY_GEOMETRY
+
+    identity = (batch["source_to_image"] == np.float32(IDENTITY_GEOMETRY)).all(-1) & ~batch["source_flipped"]
     resized = (batch["image_hw"] != batch["original_size"]).any(-1)
     return batch["example_mask"] & identity & resized
 

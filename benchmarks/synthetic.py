@@ -32,7 +32,7 @@ def random_batch(
         "image_hw": np.broadcast_to((height, width), spec["image_hw"].shape),
         # The identity: the pixels are the network image (with input.resize_on_device the step still resamples them).
         "source_hw": np.broadcast_to((height, width), spec["source_hw"].shape),
-        "source_to_image": np.broadcast_to((1.0, 1.0, 0.0, 0.0), spec["source_to_image"].shape),
+        "source_to_image": np.broadcast_to(batch_layout.IDENTITY_GEOMETRY, spec["source_to_image"].shape),
         "source_flipped": np.zeros(b, bool),
         "boxes": boxes,
         "labels": labels,

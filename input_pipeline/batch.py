@@ -83,6 +83,10 @@ FIELDS: dict[str, Field] = {
 KEYS = tuple(FIELDS)
 
 
+# source_to_image of pixels that already are the network image (scale 1, offset 0).
+IDENTITY_GEOMETRY = (1.0, 1.0, 0.0, 0.0)
+
+
 def training_image_size(input_config) -> tuple[int, int]:
     """(H, W) of the `image` of training batches: `input.source_size` with `input.resize_on_device` if set, else
     `input.image_size` (what every other batch holds)."""

@@ -69,7 +69,7 @@ class TransformOptions:
     @property
     def training_image_size(self) -> tuple[int, int]:
         """(H, W) of the training examples' `image`: source_size with resize_on_device, else image_size."""
-        return self.source_size if self.resize_on_device and self.source_size else self.image_size
+        return batch_layout.training_image_size(self)
 
     @classmethod
     def from_config(cls, config) -> TransformOptions:
@@ -91,13 +91,13 @@ class TransformOptions:
                 f"input.color_jitter={color_jitter} needs the host to resize: set input.resize_on_device=False, "
                 "or input.color_jitter=0"
             )
-        source_size = batch_layout.training_image_size(inp)
-        if inp.source_size is not None and not resize_on_device:
+        source_size = None if inp.source_size is None else tuple(int(v) for v in inp.source_size)
+        if source_size is not None and not resize_on_device:
             raise DatasetError(
-                f"input.source_size={tuple(inp.source_size)} applies only with input.resize_on_device=True; set "
+                f"input.source_size={source_size} applies only with input.resize_on_device=True; set "
                 "that, or input.source_size=None"
             )
-        if len(source_size) != 2 or source_size[0] < size[0] or source_size[1] < size[1]:
+        if source_size is not None and (len(source_size) != 2 or source_size[0] < size[0] or source_size[1] < size[1]):
             raise DatasetError(
                 f"input.source_size={source_size} must be (H, W) at least input.image_size={size} (or None: the same)"
             )
@@ -383,7 +383,7 @@ def _clip_boxes(boxes: tf.Tensor, height, width) -> tf.Tensor:
 
 def _identity_geometry(image_hw: tf.Tensor) -> tuple[tf.Tensor, tf.Tensor, tf.Tensor]:
     """(source_hw, source_to_image, source_flipped) of pixels the host already resized: nothing left to do."""
-    return image_hw, tf.constant([1.0, 1.0, 0.0, 0.0]), tf.constant(False)
+    return image_hw, tf.constant(batch_layout.IDENTITY_GEOMETRY), tf.constant(False)
 
 
 def _finish(
