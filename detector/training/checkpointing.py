@@ -12,6 +12,7 @@ from __future__ import annotations
 import logging
 import os
 import re
+import time
 from typing import Any
 
 import jax
@@ -92,19 +93,55 @@ def _write_cause(error: BaseException) -> str:
     return _first_line(error)
 
 
+# Orbax names a step being written STEP.orbax-checkpoint-tmp (older versions add -TIMESTAMP).
+_PARTIAL_MARKER = ".orbax-checkpoint-tmp"
+# A failed save surfaces at its first failed write while its other writes may
+# still be running, and TensorStore creates the directories a write needs: a
+# partial step removed at once can come back. It is removed until none has
+# reappeared for this long (at most _SETTLE_LIMIT_SECONDS, on the error path only).
+_QUIET_SECONDS = 2.0
+_SETTLE_LIMIT_SECONDS = 60.0
+
+
+def _remove_partial_steps(directory: epath.Path) -> list[str]:
+    """Removes the `STEP.orbax-checkpoint-tmp` directories of failed saves; returns their steps, sorted.
+
+    Keeps removing until no partial directory has reappeared for
+    _QUIET_SECONDS, so writes of the failed save still in flight cannot leave
+    one behind. Every process removes (a directory another process removed
+    first is no error): on a shared filesystem each process's writes can
+    recreate it.
+    """
+    steps: set[str] = set()
+    started = quiet_since = time.monotonic()
+    while True:
+        partial = [path for path in directory.iterdir() if _PARTIAL_MARKER in path.name]
+        now = time.monotonic()
+        if partial:
+            quiet_since = now
+            for path in partial:
+                steps.add(path.name.split(".", 1)[0])
+                try:
+                    path.rmtree(missing_ok=True)
+                except OSError:  # a write added a file while it was removed: the next round removes it
+                    pass
+        if now - quiet_since >= _QUIET_SECONDS or now - started >= _SETTLE_LIMIT_SECONDS:
+            return sorted(steps, key=lambda step: (len(step), step))
+        time.sleep(0.05)
+
+
 def _write_failure(manager: ocp.CheckpointManager, error: BaseException) -> CheckpointWriteError:
     """The one-line error of a failed save, after removing the partial step directories it left."""
     directory = epath.Path(manager.directory)
-    partial = sorted(path for path in directory.iterdir() if path.name.endswith(".orbax-checkpoint-tmp"))
-    if jax.process_index() == 0:
-        for path in partial:
-            path.rmtree(missing_ok=True)
-    steps = [path.name.split(".", 1)[0] for path in partial]
-    complete = sorted(int(path.name) for path in directory.iterdir() if path.name.isdigit())
+    steps = _remove_partial_steps(directory)
+    names = [path.name for path in directory.iterdir()]
+    left = [name for name in names if _PARTIAL_MARKER in name]
+    removed = f"the partial copy could not be removed ({', '.join(left)})" if left else "the partial copy is removed"
+    complete = sorted(int(name) for name in names if name.isdigit())
     newest = f"step {complete[-1]} is the newest complete checkpoint" if complete else "there is no complete checkpoint"
     return CheckpointWriteError(
         f"writing checkpoint {'/'.join(steps) or '(unknown step)'} to {directory} failed: {_write_cause(error)}; "
-        f"the partial copy is removed and {newest}: fix the cause, then rerun the same command to resume from it"
+        f"{removed} and {newest}: fix the cause, then rerun the same command to resume from it"
     )
 
 

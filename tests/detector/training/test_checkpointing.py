@@ -1,6 +1,9 @@
+import threading
+
 import jax
 import jax.numpy as jnp
 import numpy as np
+from etils import epath
 
 from detector.training import checkpointing
 from detector.training.train_state import TrainState
@@ -110,3 +113,19 @@ def test_reading_the_ema_of_a_run_that_kept_none_is_one_clear_error(tmp_path):
     np.testing.assert_array_equal(params["w"], np.full((2, 3), 1.0))
     with pytest.raises(FileNotFoundError, match="step 3 .* holds no EMA of the parameters .* pass --raw_params"):
         checkpointing.restore_params(str(tmp_path), "last", abstract, ema=True)
+
+
+def test_a_partial_step_that_a_straggling_write_recreates_is_removed_too(tmp_path):
+    # A failed save is reported at its first failed write while others still
+    # run, and TensorStore recreates the directories a write needs.
+    directory = tmp_path / "checkpoints"
+    (directory / "2").mkdir(parents=True)
+    (directory / "4.orbax-checkpoint-tmp" / "state").mkdir(parents=True)
+    straggler = threading.Timer(0.5, lambda: (directory / "4.orbax-checkpoint-tmp" / "state" / "d").mkdir(parents=True))
+    straggler.start()
+    try:
+        steps = checkpointing._remove_partial_steps(epath.Path(directory))
+    finally:
+        straggler.join()
+    assert steps == ["4"]
+    assert sorted(path.name for path in directory.iterdir()) == ["2"]
