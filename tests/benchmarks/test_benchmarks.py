@@ -3,6 +3,7 @@
 import json
 import math
 import os
+import re
 import statistics
 import subprocess
 import sys
@@ -269,3 +270,21 @@ def test_input_pipeline_reports_the_host_cores_a_host_of_accelerators_needs(tmp_
     assert (record["accelerators"], record["images_per_second_per_accelerator"]) == (4, 250.0)
     # The default config resizes on the host; COCO's 640x480 JPEGs fit a 1024 px window's source canvas.
     assert (default["resized on the host"], coco_lsj["resized on the host"]) == ("all", "0%")
+
+
+def test_profile_step_attributes_op_time_to_model_parts_and_passes(tmp_path):
+    result = _run("benchmarks.profile_step", "--config=configs/default.py", "--top=200", "--output_dir", str(tmp_path))
+    assert result.returncode == 0, result.stderr[-3000:]
+    with open(tmp_path / "profile_step.json") as f:
+        record = json.load(f)
+    rows = record["rows"]
+    groups = {(row["part"], row["pass"]) for row in rows}
+    for part in ("backbone", "neck", "head"):
+        assert {(part, "forward"), (part, "backward")} <= groups, groups
+    assert math.isclose(sum(row["op ms/step"] for row in rows), record["op_ms"], rel_tol=0.02)
+    assert math.isclose(sum(record["by_part"].values()), record["op_ms"], rel_tol=1e-6)
+    assert record["op_threads"] >= 1
+    untimed = re.search(r"not in any timed op: (\d+) ms/step of (\d+) threads' time", result.stdout)
+    assert untimed and int(untimed.group(2)) == record["op_threads"], result.stdout[-2000:]
+    expected = max(0.0, record["step_ms"] * record["op_threads"] - record["op_ms"])
+    assert abs(int(untimed.group(1)) - expected) <= 1
