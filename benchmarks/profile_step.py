@@ -15,8 +15,8 @@ ops, so where ops overlap it exceeds the step's wall time; shares compare
 groups with each other. The profiler times XLA:CPU's Eigen matmuls (dots
 that XNNPACK does not take, such as the kernel gradients' leading-dim
 contractions) only while they are started, not while they run on the thread
-pool: their time is in the last line, the threads' time that no timed op
-covers (wall time x threads - op time), together with idle time.
+pool: their time is in the last line, the cores' time that no timed op
+covers (wall time x cores - op time), together with idle time.
 """
 
 from __future__ import annotations
@@ -60,15 +60,12 @@ def attribute(op_name: str, event_name: str) -> tuple[str, str, str]:
     return part, direction, parts[-1]
 
 
-def summarize(
-    xspace_path: str, names: dict[str, str], num_steps: int
-) -> tuple[list[tuple[tuple[str, str, str], float]], int]:
-    """Op milliseconds per step by (part, pass, operation), largest first, and how many threads ran the HLO ops."""
+def summarize(xspace_path: str, names: dict[str, str], num_steps: int) -> list[tuple[tuple[str, str, str], float]]:
+    """Op milliseconds per step by (part, pass, operation), largest first."""
     from jax.profiler import ProfileData
 
     profile = ProfileData.from_file(xspace_path)
     totals: collections.Counter = collections.Counter()
-    threads = set()
     for plane in profile.planes:
         if not plane.name.startswith("/host:CPU") and not plane.name.startswith("/device:"):
             continue
@@ -79,9 +76,7 @@ def summarize(
                 if event.name.startswith(_RUNTIME_EVENTS) or event.name.startswith("$"):
                     continue
                 totals[attribute(names.get(event.name, ""), event.name)] += event.duration_ns / 1e6 / num_steps
-                if event.name in names:  # a thread that runs the program's ops (not dispatch)
-                    threads.add((plane.name, line.name))
-    return totals.most_common(), len(threads)
+    return totals.most_common()
 
 
 def main(argv: list[str]) -> None:
@@ -98,8 +93,9 @@ def main(argv: list[str]) -> None:
     seconds = step.run(_STEPS.value)
     jax.profiler.stop_trace()
     xspaces = sorted(glob.glob(os.path.join(trace_dir, "plugins", "profile", "*", "*.xplane.pb")), key=os.path.getmtime)
-    groups, num_threads = summarize(xspaces[-1], op_names(step.compiled.as_text()), _STEPS.value)
+    groups = summarize(xspaces[-1], op_names(step.compiled.as_text()), _STEPS.value)
     total = sum(ms for _, ms in groups) or 1.0
+    cores = os.cpu_count() or 1
     by_part = collections.Counter()
     for (part, _, _), ms in groups:
         by_part[part] += ms
@@ -111,14 +107,14 @@ def main(argv: list[str]) -> None:
         f"(global batch {config.global_batch_size}, image {height}x{width}); trace in {trace_dir}",
         ["part", "pass", "operation", "op ms/step", "% of op time"],
         rows,
-        extra={"step_ms": 1000 * seconds, "op_ms": total, "by_part": dict(by_part), "op_threads": num_threads},
+        extra={"step_ms": 1000 * seconds, "op_ms": total, "by_part": dict(by_part), "cores": cores},
     )
     print(
         "op time by model part: " + ", ".join(f"{part} {100 * ms / total:.0f}%" for part, ms in by_part.most_common())
     )
-    untimed = max(0.0, 1000 * seconds * num_threads - total)
+    untimed = max(0.0, 1000 * seconds * cores - total)
     print(
-        f"not in any timed op: {untimed:.0f} ms/step of {num_threads} threads' time "
+        f"not in any timed op: {untimed:.0f} ms/step of {cores} cores' time "
         "(idle, or Eigen matmuls, which are timed only while they start)"
     )
 
