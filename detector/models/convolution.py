@@ -36,6 +36,14 @@ Padding = tuple[tuple[int, int], tuple[int, int]]
 # 1.4x; 256->256: 1.7-3x; 1x1: 10x), at 16 they lose (3x3, 16->16: 0.6x).
 MIN_MATMUL_CHANNELS = 32
 
+# Per-tap products of at least this many multiply-adds (N*H_out*W_out*C_in*C_out)
+# contract x and dy over their leading dim as they lie; smaller ones transpose
+# dy first. In a train step XLA:CPU runs the former on Eigen and the latter on
+# XNNPACK, and the small ones were slower on Eigen: with every product in the
+# leading-dim form the default config's step took 10% longer, while the
+# ResNet-50 RetinaNet's (products of 8M-4G) took 12-16% less.
+MIN_LEADING_CONTRACTION_MACS = 2**25
+
 
 def _forward(x, kernel, strides, padding, precision):
     return lax.conv_general_dilated(x, kernel, strides, padding, dimension_numbers=_NHWC_HWIO, precision=precision)
@@ -60,39 +68,42 @@ def kernel_gradient(
     patchify = (kh, kw) == (sh, sw) != (1, 1) and padding == ((0, 0), (0, 0))
     if patchify and x.shape[1] == out_h * kh and x.shape[2] == out_w * kw:
         # Non-overlapping windows (a ViT's patch embedding): one matmul over patches.
-        # (A 1x1 conv takes the tap loop below, a single tap: there x is
-        # contracted as it lies and only dy is transposed. Through this
-        # einsum XLA transposed x instead, recomputing the frozen-BN chain
-        # that produced it: 14% of a ResNet-50 step on a CPU.)
+        # (A 1x1 conv takes the tap loop below, a single tap, which does not
+        # transpose x. Through this einsum XLA transposed x, recomputing the
+        # frozen-BN chain that produced it: 14% of a ResNet-50 step on a CPU.)
         patches = x.reshape(n, out_h, kh, out_w, kw, channels)
         return jnp.einsum("nhiwjc,nhwd->ijcd", patches, dy, preferred_element_type=jnp.float32).astype(x.dtype)
     x = lax.pad(x, jnp.zeros((), x.dtype), ((0, 0, 0), (*padding[0], 0), (*padding[1], 0), (0, 0, 0)))
-    # Every tap is `x_tap^T @ dy` on 2-D views ([K, C_in] and [K, C_out], K =
-    # N * H_out * W_out), contracted over their leading dim: the matmul
-    # kernels read both operands transposed as they lie, so nothing is
-    # copied but each tap's strided slice of x, and the taps come out in the
-    # kernel's own [C_in, C_out] order. (Contracting 4-D operands instead,
-    # XLA inserted a transpose of dy per convolution and the kernel needed
-    # one more, fused into the optimizer's update where it read the
-    # gradient with a stride: ~15% of a RetinaNet step on a CPU.)
-    dy_rows = dy.reshape(n * out_h * out_w, dy.shape[3])
-    contract_rows = (((0,), (0,)), ((), ()))
-    taps = []
-    for i in range(kh):
-        for j in range(kw):
-            x_tap = lax.slice(
-                x, (0, i, j, 0), (n, i + sh * (out_h - 1) + 1, j + sw * (out_w - 1) + 1, channels), (1, sh, sw, 1)
-            )
-            taps.append(
-                lax.dot_general(
-                    x_tap.reshape(n * out_h * out_w, channels),
-                    dy_rows,
-                    contract_rows,
-                    preferred_element_type=jnp.float32,
-                )
-            )
-    # taps: kh * kw of [C_in, C_out].
-    return jnp.stack(taps).reshape(kh, kw, channels, dy.shape[3]).astype(x.dtype)
+    rows = n * out_h * out_w
+    out_channels = dy.shape[3]
+
+    def tap(i, j):  # x at tap (i, j): [N, H_out, W_out, C_in]
+        limit = (n, i + sh * (out_h - 1) + 1, j + sw * (out_w - 1) + 1, channels)
+        return lax.slice(x, (0, i, j, 0), limit, (1, sh, sw, 1))
+
+    taps = [tap(i, j) for i in range(kh) for j in range(kw)]
+    if rows * channels * out_channels >= MIN_LEADING_CONTRACTION_MACS:
+        # Every tap is `x_tap^T @ dy` on 2-D views ([rows, C_in] and [rows,
+        # C_out]) contracted over their leading dim, which the matmul kernel
+        # reads transposed in place: nothing is copied but each tap's slice of
+        # x, and the taps come out in the kernel's [C_in, C_out] order.
+        # (Contracting 4-D operands, as below, XLA transposed dy, and the
+        # kernel's transpose fused into the optimizer's update, the gradient
+        # norm and the head's sum over levels, each reading the gradient with
+        # a stride: ~15% of a RetinaNet step on a CPU.)
+        dy_rows = dy.reshape(rows, out_channels)
+        leading = (((0,), (0,)), ((), ()))
+        products = [
+            lax.dot_general(x_tap.reshape(rows, channels), dy_rows, leading, preferred_element_type=jnp.float32)
+            for x_tap in taps
+        ]
+        return jnp.stack(products).reshape(kh, kw, channels, out_channels).astype(x.dtype)
+    # dy is transposed once to `[C_out, N, H_out, W_out]`, so every tap is a
+    # plain `[C_out, rows] @ [rows, C_in]` product on a row-major slice of x.
+    dy_t = jnp.transpose(dy, (3, 0, 1, 2))
+    batch_and_space = (((1, 2, 3), (0, 1, 2)), ((), ()))
+    products = [lax.dot_general(dy_t, x_tap, batch_and_space, preferred_element_type=jnp.float32) for x_tap in taps]
+    return jnp.transpose(jnp.stack(products).reshape(kh, kw, out_channels, channels), (0, 1, 3, 2)).astype(x.dtype)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3, 4))

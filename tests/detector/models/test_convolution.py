@@ -22,6 +22,14 @@ def _grads(conv_fn, x, kernel, strides, padding):
     return jax.jit(jax.value_and_grad(loss, argnums=(0, 1)))(x, kernel)
 
 
+@pytest.fixture(params=["leading", "transposed"])
+def product_form(request, monkeypatch):
+    """Both forms of the per-tap products: x and dy contracted over their leading dim as they lie, or dy transposed."""
+    threshold = 0 if request.param == "leading" else 2**62
+    monkeypatch.setattr(convolution, "MIN_LEADING_CONTRACTION_MACS", threshold)
+    return request.param
+
+
 @pytest.mark.parametrize(
     "shape, kernel_size, strides, padding",
     [
@@ -35,7 +43,7 @@ def _grads(conv_fn, x, kernel, strides, padding):
         ((1, 9, 7), 3, 1, "VALID"),
     ],
 )
-def test_gradients_equal_xla_convolution(shape, kernel_size, strides, padding):
+def test_gradients_equal_xla_convolution(shape, kernel_size, strides, padding, product_form):
     rng = np.random.default_rng(0)
     x = jnp.asarray(rng.normal(size=(*shape, 32)), jnp.float32)
     kernel = jnp.asarray(rng.normal(size=(kernel_size, kernel_size, 32, 48)) * 0.1, jnp.float32)
@@ -46,7 +54,7 @@ def test_gradients_equal_xla_convolution(shape, kernel_size, strides, padding):
     np.testing.assert_allclose(dk, ref_dk, rtol=1e-4, atol=1e-4 * float(jnp.max(jnp.abs(ref_dk))))
 
 
-def test_bfloat16_kernel_gradient_accumulates_in_float32():
+def test_bfloat16_kernel_gradient_accumulates_in_float32(product_form):
     rng = np.random.default_rng(1)
     x = jnp.asarray(rng.normal(size=(4, 16, 16, 32)), jnp.bfloat16)
     dy = jnp.asarray(rng.normal(size=(4, 16, 16, 64)), jnp.bfloat16)
