@@ -322,13 +322,12 @@ def test_sigterm_during_an_evaluation_abandons_it_and_saves_the_current_step(cac
     command = train_command(data, tmp_path, checkpoint_every_steps=100, eval_every_steps=4, **long_eval)
     runs = start_processes(command, 2, 4, cache_dir)
     num_batches = int(runs[0].wait_for(r"evaluating step 4: (\d+) batches").group(1))
-    signalled = time.monotonic()
     runs[1].kill(signal.SIGTERM)  # one host is told, mid-evaluation; both must abandon it at the same batch
     pattern = r"evaluation of step 4 abandoned after (\d+) of (\d+) batches"
     abandoned = [run.wait_for(pattern).groups() for run in runs]
     assert [run.finish(timeout=60) for run in runs] == [0, 0], runs[0].output[-3000:] + runs[1].output[-3000:]
-    assert time.monotonic() - signalled < 30
     assert abandoned[0] == abandoned[1], abandoned
+    # Promptly: before the evaluation's end (a count of batches, not seconds, which a busy machine stretches).
     assert int(abandoned[0][0]) < num_batches == int(abandoned[0][1])
     assert checkpoint_steps(tmp_path) == [4]  # the current step, though no checkpoint was due there
     assert not (tmp_path / "eval_metrics.jsonl").exists()  # nothing half-evaluated was recorded
