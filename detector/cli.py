@@ -9,7 +9,9 @@ from __future__ import annotations
 
 import logging as pylogging
 import os
+import signal
 import sys
+import traceback
 from collections.abc import Callable, Sequence
 
 import jax
@@ -132,13 +134,27 @@ class _ProcessPrefix(pylogging.Filter):
         return True
 
 
+def _from_orbax(record: pylogging.LogRecord) -> bool:
+    """Whether an asyncio report is about Orbax's I/O: its task names Orbax's code, or its error came from there.
+
+    A task's repr names the file of its coroutine; a gathering future's names
+    none, so the traceback of the exception it holds is looked at too.
+    """
+    if "/orbax/" in record.getMessage():
+        return True
+    error = record.exc_info[1] if record.exc_info else None
+    frames = traceback.extract_tb(error.__traceback__) if error is not None else []
+    return any("/orbax/" in frame.filename for frame in frames)
+
+
 class _QuietLibraries(pylogging.Filter):
     """Keeps the libraries' INFO chatter (one line per checkpoint file) out of the log."""
 
     def filter(self, record: pylogging.LogRecord) -> bool:
-        if record.name == "asyncio" and "/orbax/" in record.getMessage():
-            # "Task exception was never retrieved" for an Orbax write that
-            # failed beside the one the command reports: the same failure again.
+        if record.name == "asyncio" and _from_orbax(record):
+            # "Task (or _GatheringFuture) exception was never retrieved" for an
+            # Orbax write that failed beside the one the command reports: the
+            # same failure again.
             return bool(flags.FLAGS["verbose"].value)
         if "/orbax/" not in record.pathname:
             return True
@@ -178,8 +194,8 @@ def _is_closed_loop_noise(error: BaseException | None) -> bool:
     return isinstance(error, RuntimeError) and str(error) == "Event loop is closed"
 
 
-def silence_closed_event_loop_noise() -> None:
-    """Drops the tracebacks Orbax's I/O leaves behind after a failed read or write.
+def install_exception_hooks() -> None:
+    """Drops the tracebacks Orbax's I/O leaves behind, and keeps a Ctrl-C that Python could not raise.
 
     When a checkpoint read or write fails, Orbax closes its asyncio loop while
     the reads or writes of the other arrays are still on their way: their
@@ -188,7 +204,15 @@ def silence_closed_event_loop_noise() -> None:
     of those tracebacks after the command has handled the failure and said
     what it is. They say nothing more, so they are dropped; every other
     exception still prints.
+
+    A Ctrl-C whose KeyboardInterrupt is raised inside a garbage-collector
+    callback (JAX registers one) or a `__del__` is not raised in the main
+    thread: Python prints it as "Exception ignored" and runs on, and the
+    interrupt is lost. It is delivered again to the main thread, so that
+    whatever handles SIGINT at that moment (the start-up's one-line error or
+    the training loop's checkpoint-and-stop) sees it.
     """
+    import _thread
     import threading
 
     previous_excepthook, previous_thread_hook, previous_unraisable = (
@@ -197,15 +221,22 @@ def silence_closed_event_loop_noise() -> None:
         sys.unraisablehook,
     )
 
-    def excepthook(kind, value, traceback):
+    def excepthook(kind, value, value_traceback):
         if not _is_closed_loop_noise(value):
-            previous_excepthook(kind, value, traceback)
+            previous_excepthook(kind, value, value_traceback)
 
     def thread_hook(args):
         if not _is_closed_loop_noise(args.exc_value):
             previous_thread_hook(args)
 
     def unraisable_hook(unraisable):
+        if isinstance(unraisable.exc_value, KeyboardInterrupt):
+            # From another thread and a moment later: raised here, in the main
+            # thread, it would land in this hook and be swallowed again.
+            redeliver = threading.Timer(0.05, _thread.interrupt_main, args=(signal.SIGINT,))
+            redeliver.daemon = True
+            redeliver.start()
+            return
         # Also the failed reads of the other arrays of a step that did not
         # restore: coroutines of Orbax's whose errors nobody awaited any more.
         code = getattr(unraisable.object, "cr_code", None)
@@ -219,7 +250,7 @@ def silence_closed_event_loop_noise() -> None:
 def run(main: Callable[[list[str]], None]) -> None:
     """`absl.app.run(main)` with one-line errors for bad flags and for USER_ERRORS."""
     use_fast_cpu_convolutions()
-    silence_closed_event_loop_noise()
+    install_exception_hooks()
 
     def guarded_main(argv: list[str]) -> None:
         try:

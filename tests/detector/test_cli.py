@@ -218,8 +218,18 @@ def test_asyncio_reports_of_orbax_writes_that_failed_beside_the_reported_one_are
 
     from detector import cli
 
-    def record(name, message):
-        return logging.LogRecord(name, logging.ERROR, "/x/asyncio/base_events.py", 1, message, None, None)
+    def record(name, message, exc_info=None):
+        return logging.LogRecord(name, logging.ERROR, "/x/asyncio/base_events.py", 1, message, None, exc_info)
+
+    def raised_in(filename):
+        namespace = {}
+        exec(
+            compile("def write_fragment():\n    raise ValueError('RESOURCE_EXHAUSTED')\n", filename, "exec"), namespace
+        )
+        try:
+            namespace["write_fragment"]()
+        except ValueError as error:
+            return (ValueError, error, error.__traceback__)
 
     orbax_task = (
         "Task exception was never retrieved\nfuture: <Task finished coro=<write_fragment() done, defined at "
@@ -229,8 +239,45 @@ def test_asyncio_reports_of_orbax_writes_that_failed_beside_the_reported_one_are
     assert not quiet.filter(record("asyncio", orbax_task))
     assert quiet.filter(record("asyncio", "Task exception was never retrieved\nfuture: <Task ... /mine/app.py>"))
     assert quiet.filter(record("detector", orbax_task))  # only asyncio's reports
+    # A gathering future's repr names no file: the traceback of its error does.
+    gathering = "_GatheringFuture exception was never retrieved\nfuture: <_GatheringFuture finished exception=...>"
+    orbax_error = raised_in("/venv/site-packages/orbax/checkpoint/_src/serialization/serialization.py")
+    assert not quiet.filter(record("asyncio", gathering, orbax_error))
+    assert quiet.filter(record("asyncio", gathering, raised_in("/mine/app.py")))
+    assert quiet.filter(record("asyncio", gathering))
     flags.FLAGS["verbose"].value = True
     try:
         assert quiet.filter(record("asyncio", orbax_task))  # --verbose shows everything
     finally:
         flags.FLAGS["verbose"].value = False
+
+
+def test_a_ctrl_c_raised_inside_a_garbage_collector_callback_reaches_the_main_thread():
+    """Python swallows (prints and ignores) exceptions of gc callbacks, and JAX registers one.
+
+    A KeyboardInterrupt that lands there must not be lost: the run would go on
+    as if Ctrl-C had never been pressed.
+    """
+    script = """
+import gc, time
+from detector import cli
+cli.install_exception_hooks()
+
+def interrupted_callback(phase, info):
+    gc.callbacks.remove(interrupted_callback)
+    raise KeyboardInterrupt
+
+gc.callbacks.append(interrupted_callback)
+try:
+    gc.collect()
+    for _ in range(200):
+        time.sleep(0.01)
+    print("lost")
+except KeyboardInterrupt:
+    print("delivered")
+"""
+    result = subprocess.run(
+        [sys.executable, "-c", script], cwd=REPO_ROOT, capture_output=True, text=True, timeout=TIMEOUT_S
+    )
+    assert result.stdout.split() == ["delivered"], result.stdout + result.stderr
+    assert "Exception ignored" not in result.stderr, result.stderr
