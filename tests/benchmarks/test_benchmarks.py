@@ -252,6 +252,7 @@ def test_input_pipeline_reports_the_host_cores_a_host_of_accelerators_needs(tmp_
         "--pipelines=default",
         "--pipelines=coco_lsj",
         "--coco_images=16",
+        "--synthetic_images=64",
         "--batches=1",
         "--accelerators=4",
         "--images_per_second=250",

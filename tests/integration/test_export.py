@@ -52,6 +52,9 @@ def subprocess_env():
         "PYTHONPATH": str(REPO_ROOT),
         "JAX_PLATFORMS": "cpu",
         "XLA_FLAGS": os.environ.get("XLA_FLAGS", ""),
+        # The commands share the module's compilation cache (`compilation_cache_dir`, once per
+        # test run) instead of each compiling the same programs again; none: off.
+        "JAX_COMPILATION_CACHE_DIR": jax.config.jax_compilation_cache_dir or "",
     }
 
 
