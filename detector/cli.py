@@ -235,7 +235,10 @@ def install_exception_hooks() -> None:
             # thread, it would land in this hook and be swallowed again.
             redeliver = threading.Timer(0.05, _thread.interrupt_main, args=(signal.SIGINT,))
             redeliver.daemon = True
-            redeliver.start()
+            try:
+                redeliver.start()
+            except RuntimeError:  # the interpreter is shutting down: nothing left to interrupt
+                pass
             return
         # Also the failed reads of the other arrays of a step that did not
         # restore: coroutines of Orbax's whose errors nobody awaited any more.
