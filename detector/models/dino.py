@@ -309,6 +309,16 @@ def _class_head(num_classes: int, dtype: Any, name: str) -> Projection:
     )
 
 
+def select_proposals(scores: jax.Array, count: int) -> jax.Array:
+    """Indices int32 `[B, count]` of each image's `count` highest-scoring proposals, best first.
+
+    `scores` `[B, T]` (-inf for invalid proposals) carry no gradient through
+    the choice. The one discontinuous step of the forward pass besides the
+    matching, named so that equivalence tests can hold it fixed.
+    """
+    return jax.lax.top_k(jax.lax.stop_gradient(scores), count)[1]
+
+
 def _gather_queries(x: jax.Array, index: jax.Array) -> jax.Array:
     """`x [B, S, ...]`, `index [B, K]` -> `[B, K, ...]`."""
     return jnp.take_along_axis(x, index.reshape(*index.shape, *([1] * (x.ndim - 2))), axis=1)
@@ -395,7 +405,7 @@ class Dino(nn.Module):
             + jnp.asarray(proposals)[None]
         )
         scores = jnp.where(jnp.asarray(proposal_valid)[None], jnp.max(proposal_logits, axis=-1), -jnp.inf)
-        _, selected = jax.lax.top_k(jax.lax.stop_gradient(scores), queries)  # [B, N]
+        selected = select_proposals(scores, queries)  # [B, N]
         encoder_logits = _gather_queries(proposal_logits, selected)
         encoder_boxes_logit = _gather_queries(proposal_boxes, selected)
         reference = jax.lax.stop_gradient(jax.nn.sigmoid(encoder_boxes_logit))

@@ -83,6 +83,7 @@ def group_norm(
         groups -= 1
     return nn.GroupNorm(
         num_groups=groups,
+        use_fast_variance=False,
         dtype=dtype,
         param_dtype=jnp.float32,
         scale_init=nn.with_logical_partitioning(scale_init, CHANNEL_AXES),

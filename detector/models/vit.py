@@ -37,6 +37,7 @@ def layer_norm(dtype: Any, name: str, epsilon: float = 1e-6) -> nn.LayerNorm:
     """LayerNorm over the last axis with float32 parameters named ('norm',)."""
     return nn.LayerNorm(
         epsilon=epsilon,
+        use_fast_variance=False,
         dtype=dtype,
         param_dtype=jnp.float32,
         scale_init=nn.with_logical_partitioning(nn.initializers.ones, ("norm",)),

@@ -12,8 +12,10 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax.traverse_util import flatten_dict
+from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
+import sharding
 from configs import dino_tiny
 from detector.models import dino, families
 from detector.ops import denoising
@@ -201,6 +203,19 @@ def sine_reference(position: float, dim: int, temperature: float = 10000.0) -> n
         frequency = temperature ** (2 * (j // 2) / dim)
         out[j] = math.sin(position / frequency) if j % 2 == 0 else math.cos(position / frequency)
     return out
+
+
+def test_proposal_selection_sharded_over_the_mesh_gives_one_devices_choice():
+    """Scores split over images and tokens: the same proposals, best first, with -inf (invalid) never chosen."""
+    rng = np.random.default_rng(3)
+    scores = rng.normal(size=(8, 96)).astype(np.float32)
+    scores[:, ::7] = -np.inf
+    expected = np.asarray(jax.jit(dino.select_proposals, static_argnums=1)(scores, 20))
+    mesh = sharding.create_mesh(dict(data=2, fsdp=2, model=2))
+    split = NamedSharding(mesh, P(("data", "fsdp"), "model"))
+    actual = jax.jit(dino.select_proposals, static_argnums=1, in_shardings=(split,))(scores, 20)
+    np.testing.assert_array_equal(np.asarray(actual), expected)
+    np.testing.assert_array_equal(expected, np.argsort(-scores, axis=1, kind="stable")[:, :20])
 
 
 def test_map_position_embedding_matches_the_formula():

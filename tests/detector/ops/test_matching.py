@@ -4,7 +4,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
 
+import sharding
 from detector.ops import matching
 
 optimize = pytest.importorskip("scipy.optimize")
@@ -194,6 +197,28 @@ def test_match_batch_is_optimal_per_image_under_jit():
     for k in range(b):
         cost = np.nan_to_num(_numpy_dino_cost(logits[k], boxes[k], labels[k], gts[k]))
         _check_assignment(cost, mask[k], query_for_gt[k], gt_for_query[k])
+
+
+def test_match_batch_sharded_over_the_mesh_gives_one_devices_assignment():
+    """Images split over ('data', 'fsdp') and queries over 'model', as a sharded DINO step may place them.
+
+    The costs are elementwise and the search takes minima, which no split
+    reorders: the assignment must be identical, not merely as cheap.
+    """
+    rng = np.random.default_rng(21)
+    b, n, m, c = 8, 48, 6, 5
+    logits, boxes, labels, gts = (np.stack(x) for x in zip(*[_random_detections(rng, n, m, c) for _ in range(b)]))
+    mask = np.arange(m)[None, :] < rng.integers(0, m + 1, size=(b, 1))
+    one_device = jax.jit(matching.match_batch)(logits, boxes, labels, gts, mask)
+    mesh = sharding.create_mesh(dict(data=2, fsdp=2, model=2))
+    by_query = NamedSharding(mesh, P(("data", "fsdp"), "model"))
+    by_image = NamedSharding(mesh, P(("data", "fsdp")))
+    sharded = jax.jit(
+        matching.match_batch, in_shardings=(by_query, by_query, by_image, by_image, by_image), out_shardings=by_image
+    )(logits, boxes, labels, gts, mask)
+    assert len(sharded[0].sharding.device_set) == 8
+    for expected, actual in zip(one_device, sharded):
+        np.testing.assert_array_equal(np.asarray(actual), np.asarray(expected))
 
 
 def test_traces_to_a_static_program():
