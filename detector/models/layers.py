@@ -9,6 +9,7 @@ names to mesh axes.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import flax.linen as nn
@@ -70,26 +71,51 @@ def group_norm(
     dtype: Any = jnp.float32,
     scale_init: Any = nn.initializers.ones,
     name: str | None = None,
-) -> nn.GroupNorm:
-    """GroupNorm with logically partitioned scale/bias.
+) -> Callable[[jax.Array], jax.Array]:
+    """GroupNorm with logically partitioned scale/bias: `[B, ..., channels] -> same shape`.
 
     GroupNorm rather than BatchNorm: detection trains at a few images per
     device, where batch statistics are noisy, and it keeps the model free of
     mutable state, so results do not depend on how the batch is sharded.
     `num_groups` is lowered to the largest divisor of `channels` for narrow layers.
+
+    The variance is Flax's one pass, `mean(x^2) - mean(x)^2`, taken about an
+    estimate of each group's mean (`_group_mean_estimate`, without gradient;
+    the output does not depend on it): about zero it cancels catastrophically
+    where the mean dwarfs the spread, and a split reduction (channels over
+    `model`) then rounds differently enough to move training (3e-4 relative in
+    three steps of a 2x2x2 ViT detector). Two passes cost the default
+    RetinaNet's CPU step 12%, the shift 3.6%.
     """
     groups = min(num_groups, channels)
     while channels % groups:
         groups -= 1
-    return nn.GroupNorm(
+    norm = nn.GroupNorm(
         num_groups=groups,
-        use_fast_variance=False,
         dtype=dtype,
         param_dtype=jnp.float32,
         scale_init=nn.with_logical_partitioning(scale_init, CHANNEL_AXES),
         bias_init=nn.with_logical_partitioning(nn.initializers.zeros, CHANNEL_AXES),
         name=name,
     )
+    return lambda x: norm(x - _group_mean_estimate(x, groups))
+
+
+# Positions per image whose mean stands for a group's: within a fraction of a
+# standard deviation of the true mean, which is all the shift needs.
+_SHIFT_SAMPLES = 64
+
+
+def _group_mean_estimate(x: jax.Array, num_groups: int) -> jax.Array:
+    """`[B, ..., C]` -> `[B, 1, ..., 1, C]`: each (image, group)'s mean over a strided sample, no gradient."""
+    batch, channels = x.shape[0], x.shape[-1]
+    positions = x.reshape(batch, -1, channels)
+    stride = max(1, positions.shape[1] // _SHIFT_SAMPLES)
+    sample = positions[:, ::stride].astype(jnp.float32)
+    grouped = sample.reshape(batch, sample.shape[1], num_groups, channels // num_groups)
+    mean = jnp.mean(grouped, axis=(1, 3), keepdims=True)
+    shift = jnp.broadcast_to(mean, (batch, 1, num_groups, channels // num_groups)).reshape(batch, channels)
+    return jax.lax.stop_gradient(shift.reshape(batch, *([1] * (x.ndim - 2)), channels).astype(x.dtype))
 
 
 def symmetric_padding(kernel_size: int) -> tuple[tuple[int, int], tuple[int, int]]:

@@ -34,7 +34,12 @@ MLP_AXES = ("batch", "tokens", "act_mlp")
 
 
 def layer_norm(dtype: Any, name: str, epsilon: float = 1e-6) -> nn.LayerNorm:
-    """LayerNorm over the last axis with float32 parameters named ('norm',)."""
+    """LayerNorm over the last axis with float32 parameters named ('norm',).
+
+    The variance takes two passes, as PyTorch's: one pass cancels where the
+    mean dwarfs the spread (transformers' outlier channels), and a width split
+    over `model` then rounds differently enough to move training.
+    """
     return nn.LayerNorm(
         epsilon=epsilon,
         use_fast_variance=False,
