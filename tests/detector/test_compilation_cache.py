@@ -173,18 +173,17 @@ def test_a_second_run_loads_every_program_the_first_one_compiled(data_dir, matpl
     home = tmp_path / "home"
     home.mkdir()
     cache = home.joinpath(*DEFAULT_UNDER_HOME)
-    log, first = train(data_dir, tmp_path / "first", home, matplotlib_dir)  # the default location
+    log, _ = train(data_dir, tmp_path / "first", home, matplotlib_dir)  # the default location
     assert f"compilation cache: {cache}" in log
     written = entries(cache)
     assert any(name.startswith("jit_train_step-") for name in written), sorted(written)
 
     other_home = tmp_path / "other_home"
     other_home.mkdir()
-    log, second = train(data_dir, tmp_path / "second", other_home, matplotlib_dir, f"--compilation_cache_dir={cache}")
+    log, _ = train(data_dir, tmp_path / "second", other_home, matplotlib_dir, f"--compilation_cache_dir={cache}")
     assert f"compilation cache: {cache}" in log
     assert entries(cache) == written  # every program loaded; none compiled and written again
     assert not other_home.joinpath(".cache", "detector").exists()
-    assert second < first, f"compiling took {first:.1f}s, then {second:.1f}s with the cache"
 
 
 @pytest.mark.slow

@@ -1,7 +1,6 @@
 """The synthetic shapes dataset: generator geometry and the TFDS builder."""
 
 import os
-import time
 
 import ml_collections
 import numpy as np
@@ -184,9 +183,7 @@ def test_prepare_is_reused(prepared, monkeypatch):
         raise AssertionError("the prepared dataset was generated again")
 
     monkeypatch.setattr(ss, "generate_example", fail)
-    start = time.perf_counter()
     again = datasets.get_builder(config)
-    assert time.perf_counter() - start < 5.0
     assert again.info.splits["train"].num_examples == N_TRAIN
     assert snapshot() == before
 

@@ -83,6 +83,7 @@ PEER = textwrap.dedent("""
     distributed.initialize(distributed.DistributedOptions(
         coordinator_address=sys.argv[1], num_processes=2, process_id=int(sys.argv[2]), heartbeat_timeout_s=10))
     multihost_utils.sync_global_devices("joined")
+    print("joined", flush=True)
     if jax.process_index() == 1:
         os._exit(9)  # dies without a word, like a killed host
     multihost_utils.sync_global_devices("never reached")  # the survivor waits for the dead peer
@@ -104,9 +105,17 @@ def test_a_dead_peer_stops_the_survivor_within_a_minute(tmp_path):
         )
         for i in range(2)
     ]
-    start = time.monotonic()
     try:
+        # The minute runs from the peer's death, not from starting Python and
+        # JAX, which a busy machine can take half a minute for.
+        joined = []
+        for line in procs[0].stdout:
+            joined.append(line)
+            if line.strip() == "joined":
+                break
+        start = time.monotonic()
         survivor_output, _ = procs[0].communicate(timeout=90)
+        survivor_output = "".join(joined) + survivor_output
     finally:
         for p in procs:
             p.kill()
