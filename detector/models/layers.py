@@ -112,9 +112,8 @@ def _group_mean_estimate(x: jax.Array, num_groups: int) -> jax.Array:
     positions = x.reshape(batch, -1, channels)
     stride = max(1, positions.shape[1] // _SHIFT_SAMPLES)
     sample = positions[:, ::stride].astype(jnp.float32)
-    grouped = sample.reshape(batch, sample.shape[1], num_groups, channels // num_groups)
-    mean = jnp.mean(grouped, axis=(1, 3), keepdims=True)
-    shift = jnp.broadcast_to(mean, (batch, 1, num_groups, channels // num_groups)).reshape(batch, channels)
+    group_means = jnp.mean(sample.reshape(batch, sample.shape[1], num_groups, -1), axis=(1, 3))  # [B, groups]
+    shift = jnp.repeat(group_means, channels // num_groups, axis=-1)  # [B, C], groups are contiguous channels
     return jax.lax.stop_gradient(shift.reshape(batch, *([1] * (x.ndim - 2)), channels).astype(x.dtype))
 
 
