@@ -13,6 +13,7 @@ Public API:
   get_dataset_info(config) -> DatasetInfo
   prepare_split(config, 'train' | 'eval') -> PreparedSplit (with counts)
   format_counts({name: PreparedSplit}) -> markdown table of the counts
+  TransformOptions.from_config(config) -> the input options, checked (DatasetError names a bad one)
   DatasetError: raised for unusable datasets and configs.
 The batch layout (keys, dtypes, shapes) is input_pipeline.batch; box
 geometry shared with detector.ops is input_pipeline.box_geometry.
@@ -33,6 +34,7 @@ _EXPORTS = {
     "EvalIterator": ("input_pipeline.pipeline", "EvalIterator"),
     "InputCounts": ("input_pipeline.pipeline", "InputCounts"),
     "TrainIterator": ("input_pipeline.pipeline", "TrainIterator"),
+    "TransformOptions": ("input_pipeline.transforms", "TransformOptions"),
     "coco_ground_truth": ("input_pipeline.datasets", "eval_ground_truth"),
     "create_eval_iterator": ("input_pipeline.pipeline", "create_eval_iterator"),
     "create_train_iterator": ("input_pipeline.pipeline", "create_train_iterator"),

@@ -41,6 +41,9 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict[
     is_primary = jax.process_index() == 0
     workdir_path = _prepare_workdir(config, workdir, is_primary)
     mesh, rules = _create_mesh(config)
+    # Checked before the dataset is read: a bad input option fails in seconds,
+    # not after the minutes a first run spends preparing the splits.
+    input_pipeline.TransformOptions.from_config(config)
     dataset_info = input_pipeline.get_dataset_info(config)
     data_report = DataReport(config, workdir_path, enabled=is_primary)
     model = create_training_model(config, dataset_info.num_classes, mesh)

@@ -152,7 +152,9 @@ def cli_results(tmp_path_factory):
             process.kill()
             stdout, stderr = process.communicate()
             stderr += f"\n(killed after {TIMEOUT_S}s)"
-        results[name] = dict(case=cases[name], returncode=process.returncode, stdout=stdout, stderr=stderr)
+        results[name] = dict(
+            case=cases[name], returncode=process.returncode, stdout=stdout, stderr=stderr, data_dir=data_dir
+        )
     return results
 
 
@@ -169,6 +171,12 @@ def test_bad_input_fails_with_one_error_line(cli_results, name):
     for pattern in result["case"]["patterns"]:
         assert re.search(pattern, last), f"{pattern!r} not in {last!r}"
     assert result["returncode"] == result["case"]["code"], stderr
+
+
+def test_bad_options_fail_before_any_data_is_read(cli_results):
+    """Every case stops before preparing the embedded dataset: a bad option costs seconds, not a conversion."""
+    data_dir = cli_results["bad_input_option"]["data_dir"]
+    assert data_dir.is_dir() and not any(data_dir.iterdir()), sorted(p.name for p in data_dir.iterdir())
 
 
 def test_verbose_shows_the_traceback(cli_results):
