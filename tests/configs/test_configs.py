@@ -153,6 +153,8 @@ def test_r50_schedule_is_the_1x_recipe():
     assert lr(89_999) == pytest.approx(0.0001)
 
 
+# Slow: compiling the 34M-parameter recipe's full step takes half a minute on two cores.
+@pytest.mark.slow
 def test_r50_train_step_compiles_on_8_devices():
     """The COCO recipe's train step, at 128 px, compiled ahead of time as train.py does (no data read)."""
     config = retinanet_r50_coco.get_config()

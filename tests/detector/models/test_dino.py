@@ -50,7 +50,8 @@ def ground_truth():
 def denoising_inputs(groups: int, rng=jax.random.key(3)) -> dict[str, jax.Array]:
     """What the DINO objective feeds the model: noised queries and their mask."""
     boxes, labels = ground_truth()
-    queries = denoising.contrastive_denoising_queries(
+    # Compiled: eagerly, each of its ops would compile a program of its own.
+    queries = jax.jit(denoising.contrastive_denoising_queries, static_argnames=("num_groups", "num_classes"))(
         rng, boxes, labels, GT_MASK, num_groups=groups, num_classes=NUM_CLASSES
     )
     return {
@@ -74,9 +75,9 @@ def setup():
     images = jax.random.normal(jax.random.key(1), (BATCH, IMAGE, IMAGE, 3))
     params = jax.jit(model.init)(jax.random.key(0), images)["params"]
     params = nn.meta.unbox(params)
-    leaves, treedef = jax.tree.flatten(params)
-    keys = jax.random.split(jax.random.key(2), len(leaves))
-    params = jax.tree.unflatten(treedef, [p + 0.05 * jax.random.normal(k, p.shape) for p, k in zip(leaves, keys)])
+    # numpy's generator: jax.random.normal would compile a program per parameter shape.
+    rng = np.random.default_rng(2)
+    params = jax.tree.map(lambda p: np.asarray(p) + 0.05 * rng.standard_normal(p.shape, dtype=np.float32), params)
     groups = config.model.dino.denoising_groups
     return types.SimpleNamespace(
         config=config,

@@ -77,15 +77,16 @@ def test_packed_and_level_by_level_heads_share_parameters_outputs_and_gradients(
     rng = np.random.default_rng(2)
     shapes = pyramid_shapes(64, 96, 3, 6)  # odd sizes down to 1x2
     pyramid = {level: jnp.asarray(rng.normal(size=(2, h, w, 8)), jnp.float32) for level, (h, w) in shapes.items()}
-    params = per_level.init(jax.random.key(0), pyramid)
+    # Compiled throughout: eagerly, every op of every level would compile a program of its own.
+    params = jax.jit(per_level.init)(jax.random.key(0), pyramid)
     # Checkpoints are interchangeable: the same tree, and the same initial values.
-    jax.tree.map(np.testing.assert_array_equal, packed.init(jax.random.key(0), pyramid), params)
+    jax.tree.map(np.testing.assert_array_equal, jax.jit(packed.init)(jax.random.key(0), pyramid), params)
     # The two are different programs: one conv per layer, or one per layer and level.
     convs_per_head = 2 * (2 + 1)
     assert count_convs(packed.apply, params, pyramid) == convs_per_head
     assert count_convs(per_level.apply, params, pyramid) == convs_per_head * len(shapes)
 
-    outputs = {pack: head(pack).apply(params, pyramid) for pack in (True, False)}
+    outputs = {pack: jax.jit(head(pack).apply)(params, pyramid) for pack in (True, False)}
     for got, want in zip(outputs[True], outputs[False]):
         np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
 
@@ -96,7 +97,9 @@ def test_packed_and_level_by_level_heads_share_parameters_outputs_and_gradients(
         logits, deltas = head(pack).apply(params, pyramid)
         return jnp.sum(logits * logits_weight) + jnp.sum(deltas * deltas_weight)
 
-    grads = {pack: jax.grad(loss, argnums=(0, 1))(params, pyramid, pack) for pack in (True, False)}
+    grads = {
+        pack: jax.jit(jax.grad(loss, argnums=(0, 1)), static_argnums=2)(params, pyramid, pack) for pack in (True, False)
+    }
     # Before a GroupNorm a conv's bias has no effect, so its gradient is
     # float32 noise around 0: the absolute tolerance follows the largest gradient.
     scale = max(float(jnp.max(jnp.abs(g))) for g in jax.tree.leaves(grads[False]))

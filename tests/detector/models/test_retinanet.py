@@ -50,7 +50,7 @@ def test_every_parameter_has_logical_axis_names():
 def test_classification_bias_starts_at_the_prior():
     config = default.get_config()
     model = create_model(config.model, 4, families.num_anchors_per_location(config))
-    variables = model.init(jax.random.key(0), jnp.zeros((1, 64, 64, 3)))
+    variables = jax.jit(model.init)(jax.random.key(0), jnp.zeros((1, 64, 64, 3)))
     bias = nn.meta.unbox(variables["params"])["head"]["cls_logits"]["bias"]
     assert jnp.allclose(jax.nn.sigmoid(bias), 0.01, atol=1e-4)
 
