@@ -8,8 +8,9 @@ usage: python -m tests.helpers.checkpoint_worker CONFIG_JSON SRC_WORKDIR DATA,FS
 Restores the newest checkpoint of SRC_WORKDIR with the trainer's own code onto
 this run's devices and the given mesh. Process 0 writes every leaf of the
 restored state, gathered from all processes, to OUT_NPZ (keys `params/...`,
-`opt_state/I` in leaf order, `step`), plus `partitioned`, the number of parameters split
-over more than one device. With DST_WORKDIR, every process takes part in
+`opt_state/I` in leaf order, `ema_params/...` when the run keeps an EMA,
+`step`), plus `partitioned`, the number of parameters split over more than
+one device. With DST_WORKDIR, every process takes part in
 saving the restored state there, as the trainer saves.
 """
 
@@ -56,6 +57,13 @@ def main(argv):
             }
         )
         arrays.update({f"opt_state/{i}": np.asarray(v) for i, v in enumerate(jax.tree.leaves(host_state.opt_state))})
+        if host_state.ema_params is not None:
+            arrays.update(
+                {
+                    f"ema_params/{k}": np.asarray(v)
+                    for k, v in flax.traverse_util.flatten_dict(host_state.ema_params, sep="/").items()
+                }
+            )
         np.savez(out, **arrays)
     if dst is not None:
         manager = checkpointing.create_manager(dst, max_to_keep=config.keep_checkpoints)
