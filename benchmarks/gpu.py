@@ -5,6 +5,7 @@
   python -m benchmarks.gpu --peak_tflops=989     # a GPU the peak table below does not know
   python -m benchmarks.gpu --smoke               # the same code on the CPU with tiny models (compiling
                                                  # 6 small steps: ~3 minutes on 2 cores): a check, not a number
+  python -m benchmarks.gpu --models=dino         # only the models whose name contains one of these words
 
 Three models, all mixed precision (model.dtype=bfloat16, float32 parameters)
 on one device (mesh data=1, fsdp=1, model=1), with the optimizer of their
@@ -85,8 +86,11 @@ def peak_flops(device_kind: str) -> float | None:
     return None
 
 
-def _model_configs(smoke: bool) -> list[tuple[str, Any]]:
-    """(name, config) of the models measured; each config's global batch is set per try."""
+def _model_configs(smoke: bool, only: list[str] | None = None) -> list[tuple[str, Any]]:
+    """(name, config) of the models measured; each config's global batch is set per try.
+
+    `only`: words, any of which a model's name must contain (case-insensitive); None or empty: every model.
+    """
     from configs import default, dino_r50_coco, dino_tiny, retinanet_r50_coco, vitdet_b_coco, vitdet_tiny
 
     if smoke:
@@ -103,6 +107,15 @@ def _model_configs(smoke: bool) -> list[tuple[str, Any]]:
             ("ViTDet-B", vitdet_b_coco.get_config(), 1024),
             ("DINO-4scale R50", dino_r50_coco.get_config(), 800),
         ]
+    if only:
+        wanted = [word.lower() for word in only]
+        kept = [model for model in models if any(word in model[0].lower() for word in wanted)]
+        if not kept:
+            raise ValueError(
+                f"--models={','.join(only)} matches none of: {'; '.join(model[0] for model in models)}; "
+                "give a word of one of these names, e.g. --models=dino"
+            )
+        models = kept
     named = []
     for name, config, image_size in models:
         config.input.image_size = (image_size, image_size)
@@ -235,8 +248,12 @@ def main(argv: list[str]) -> None:
             flush=True,
         )
 
+    try:
+        models = _model_configs(smoke, _MODELS.value)
+    except ValueError as error:
+        sys.exit(f"error: {error}")
     rows, searches = [], {}
-    for name, config in _model_configs(smoke):
+    for name, config in models:
         height, width = config.input.image_size
         fitting = largest_fitting_batch(
             name, config, device, memory_limit, _START_BATCH.value, max_batch, steps, _NUM_CLASSES.value
@@ -321,6 +338,9 @@ if __name__ == "__main__":
         "The device's peak dense bf16 TFLOP/s, for MFU; default: looked up by device kind (--smoke: a nominal 1).",
     )
     _NUM_CLASSES = flags.DEFINE_integer("num_classes", 80, "Classes of the detection head (COCO: 80).")
+    _MODELS = flags.DEFINE_list(
+        "models", [], "Measure only the models whose name contains one of these words (e.g. dino); default: all."
+    )
 
     from detector import cli
 
