@@ -16,6 +16,7 @@ zero (a point half a pixel outside still gets half its weight from the edge).
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
 
 import jax
@@ -23,11 +24,15 @@ import jax.numpy as jnp
 import numpy as np
 
 # `method="auto"` uses the sampling matrix up to this many value positions (all
-# levels together): its matmul and scalar scatter beat the row gather and its
-# scatter-add gradient by 4-5x on a CPU at S = 340, and the [B, H, Q, S]
-# matrix stays small; larger maps gather.
-DENSE_MAX_POSITIONS = 1024
+# levels together), where its matmul and scalar scatter beat the row gathers:
+# measured forward + backward on a 2-core CPU with Q = S, 2x faster at S = 340
+# (the tiny DINO's 128 px pyramid); at S = 1360 the gathers were 2.3-3x faster
+# (and held a quarter of the memory); larger maps gather.
+DENSE_MAX_POSITIONS = 512
 METHODS = ("auto", "gather", "matrix")
+# The gather form works through the samples this many at a time (one point's four
+# bilinear neighbours), so no pass holds more than [B, H, Q, 4, Dh] gathered rows.
+SAMPLES_PER_CHUNK = 4
 
 
 def multi_scale_deformable_attention(
@@ -63,21 +68,24 @@ def multi_scale_deformable_attention(
     values travel in ``value``'s dtype, so bf16 values halve the bytes read
     without losing the sum's precision.
 
-    Cost: one gather of ``B * H * Q * L * P * 4`` rows of Dh channels from
+    Cost: gathers of ``B * H * Q * L * P * 4`` rows of Dh channels from
     ``value`` (batched over batch and heads, so heads stay a separate axis and a
-    ``heads`` sharding splits the gather without communication), a multiply and
-    a sum; gradients scatter-add into ``value``. Under ``grad`` the gathered
-    ``[B, H, Q, L * P * 4, Dh]`` block is kept for the backward pass (the
-    location and weight gradients need it): for encoder self-attention, where
-    Q = S, wrap the caller in ``jax.checkpoint`` if that does not fit. Plain
-    XLA ops, usable under ``jit``, ``vmap`` and ``grad``, static shapes throughout.
+    ``heads`` sharding splits them without communication), a multiply and a
+    sum, taken one point's four neighbours at a time; the backward pass
+    gathers the same rows again (for the weights' gradients) and scatter-adds
+    into the value maps' gradient. A custom VJP keeps only the inputs for the
+    backward pass, never the gathered rows, so no pass holds more than
+    ``[B, H, Q, 4, Dh]`` of them: for encoder self-attention, where Q = S, the
+    rows of all samples would be ``L * P`` times that. Plain XLA ops, usable
+    under ``jit``, ``vmap`` and ``grad``, static shapes throughout; a fused
+    kernel with the same signature can replace it.
 
     ``method``: "gather" as above; "matrix" adds the same bilinear x
     attention weights into a ``[B, H, Q, S]`` sampling matrix (a scatter of
     scalars, not of Dh-wide rows) and applies it with one matmul per batch
-    and head (``B * H * Q * S * Dh`` multiply-adds); "auto" takes "matrix"
-    when S is at most ``DENSE_MAX_POSITIONS``. Both give the same values and
-    gradients.
+    and head (``B * H * Q * S * Dh`` multiply-adds; JAX's own gradient);
+    "auto" takes "matrix" when S is at most ``DENSE_MAX_POSITIONS``. Both give
+    the same values and gradients.
     """
     spatial_shapes = tuple((int(h), int(w)) for h, w in spatial_shapes)
     batch, num_values, num_heads, head_dim = value.shape
@@ -94,6 +102,48 @@ def multi_scale_deformable_attention(
     if method not in METHODS:
         raise ValueError(f"method={method!r}; use one of {', '.join(METHODS)}")
 
+    compute_dtype = _compute_dtype(value, sampling_locations, attention_weights)
+    if method == "gather" or (method == "auto" and num_values > DENSE_MAX_POSITIONS):
+        return _gather_attention(spatial_shapes, value, sampling_locations, attention_weights)
+
+    # The sampling matrix: batch and heads stay scatter batch axes (so a heads
+    # sharding splits the scatter without communication); within one, a single
+    # flat index per sample is cheaper for XLA than index vectors.
+    indices, weights = _corners(spatial_shapes, sampling_locations, attention_weights, compute_dtype)
+    rows = jnp.arange(num_queries, dtype=jnp.int32)[:, None] * num_values
+
+    def head_matrix(head_indices, head_weights):  # [Q, K] -> [Q, S]
+        flat = jnp.zeros((num_queries * num_values,), head_weights.dtype)
+        flat = flat.at[(rows + head_indices).reshape(-1)].add(head_weights.reshape(-1), mode="promise_in_bounds")
+        return flat.reshape(num_queries, num_values)
+
+    matrix = jax.vmap(jax.vmap(head_matrix))(indices, weights)  # [B, H, Q, S]
+    out = jnp.einsum("bhqs,bhsd->bhqd", matrix, jnp.transpose(value, (0, 2, 1, 3)).astype(compute_dtype))
+    return _heads_last(out).astype(value.dtype)
+
+
+def _compute_dtype(*arrays):
+    """float32 at least (float64 stays float64, for gradient checks)."""
+    return jnp.promote_types(jnp.float32, jnp.result_type(*arrays))
+
+
+def _heads_last(out_bhqd):
+    """`[B, H, Q, Dh]` -> `[B, Q, H * Dh]`."""
+    batch, heads, queries, head_dim = out_bhqd.shape
+    return jnp.transpose(out_bhqd, (0, 2, 1, 3)).reshape(batch, queries, heads * head_dim)
+
+
+def _corners(spatial_shapes, sampling_locations, attention_weights, compute_dtype):
+    """The four bilinear neighbours of every sampling point: (indices, weights), each `[B, H, Q, K]`.
+
+    K = L * P * 4, ordered (level, point, corner). `indices` (int32) are rows of
+    the flattened value maps, always in bounds; `weights` are the bilinear
+    weight times the attention weight, 0 for a neighbour outside its map. A
+    differentiable function of the locations and attention weights (the
+    floors carry no gradient), so the gather's backward pass gets their
+    gradients from its `jax.vjp`.
+    """
+    batch, num_queries, num_heads = sampling_locations.shape[:3]
     # Per-level constants broadcast against [..., L, P]: the levels differ only in
     # size and offset, so one vectorised pass (and one gather) covers them all.
     heights = jnp.asarray(np.array([h for h, _ in spatial_shapes], np.float32)[:, None])
@@ -102,9 +152,7 @@ def multi_scale_deformable_attention(
     starts = jnp.asarray(starts.astype(np.int32)[:, None])
     widths_int = jnp.asarray(np.array([w for _, w in spatial_shapes], np.int32)[:, None])
 
-    # [B, H, Q, L, P] from here on: heads next to batch, as in the gather below.
-    # float32 at least (float64 stays float64, for gradient checks).
-    compute_dtype = jnp.promote_types(jnp.float32, jnp.result_type(value, sampling_locations, attention_weights))
+    # [B, H, Q, L, P] from here on: heads next to batch, as in the gathers.
     loc = jnp.transpose(sampling_locations.astype(compute_dtype), (0, 2, 1, 3, 4, 5))
     attn = jnp.transpose(attention_weights.astype(compute_dtype), (0, 2, 1, 3, 4))
     # align_corners=False: pixel i covers [i, i + 1) after scaling, its centre at i + 0.5.
@@ -128,32 +176,75 @@ def multi_scale_deformable_attention(
             yi = jnp.clip(yi, 0, heights - 1).astype(jnp.int32)
             indices.append(starts + yi * widths_int + xi)
             weights.append(jnp.where(inside, wy * wx * attn, 0.0))
-    # [B, H, Q, K] with K = L * P * 4 samples per query and head.
     indices = jnp.stack(indices, axis=-1).reshape(batch, num_heads, num_queries, -1)
     weights = jnp.stack(weights, axis=-1).reshape(batch, num_heads, num_queries, -1)
+    return indices, weights
 
+
+def _chunks(x):
+    """`[B, H, Q, K]` -> `[K / SAMPLES_PER_CHUNK, B, H, Q, SAMPLES_PER_CHUNK]`, the scans' sequence axis first."""
+    *lead, k = x.shape
+    return jnp.moveaxis(x.reshape(*lead, k // SAMPLES_PER_CHUNK, SAMPLES_PER_CHUNK), -2, 0)
+
+
+def _gathered(value_bhsd, indices):
+    """Rows of `value_bhsd [B, H, S, Dh]` at `indices [B, H, Q, k]`: `[B, H, Q, k, Dh]`."""
+    batch, heads, queries, k = indices.shape
+    # Indices are in bounds by construction; promising so skips XLA's own clamping.
+    rows = jnp.take_along_axis(value_bhsd, indices.reshape(batch, heads, -1, 1), axis=2, mode="promise_in_bounds")
+    return rows.reshape(batch, heads, queries, k, -1)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
+def _gather_attention(spatial_shapes, value, sampling_locations, attention_weights):
+    return _gather_attention_forward(spatial_shapes, value, sampling_locations, attention_weights)[0]
+
+
+def _gather_attention_forward(spatial_shapes, value, sampling_locations, attention_weights):
+    compute_dtype = _compute_dtype(value, sampling_locations, attention_weights)
+    indices, weights = _corners(spatial_shapes, sampling_locations, attention_weights, compute_dtype)
     value_bhsd = jnp.transpose(value, (0, 2, 1, 3))
-    if method == "matrix" or (method == "auto" and num_values <= DENSE_MAX_POSITIONS):
-        # Batch and heads stay scatter batch axes (so a heads sharding splits the
-        # scatter without communication); within one, a single flat index per
-        # sample is cheaper for XLA than index vectors.
-        rows = jnp.arange(num_queries, dtype=jnp.int32)[:, None] * num_values
 
-        def head_matrix(head_indices, head_weights):  # [Q, K] -> [Q, S]
-            flat = jnp.zeros((num_queries * num_values,), head_weights.dtype)
-            flat = flat.at[(rows + head_indices).reshape(-1)].add(head_weights.reshape(-1), mode="promise_in_bounds")
-            return flat.reshape(num_queries, num_values)
+    def accumulate(out, chunk):
+        chunk_indices, chunk_weights = chunk
+        rows = _gathered(value_bhsd, chunk_indices).astype(compute_dtype)
+        return out + jnp.sum(rows * chunk_weights[..., None], axis=3), None
 
-        matrix = jax.vmap(jax.vmap(head_matrix))(indices, weights)  # [B, H, Q, S]
-        out = jnp.einsum("bhqs,bhsd->bhqd", matrix, value_bhsd.astype(compute_dtype))
-        out = jnp.transpose(out, (0, 2, 1, 3)).reshape(batch, num_queries, num_heads * head_dim)
-        return out.astype(value.dtype)
-    flat_indices = indices.reshape(batch, num_heads, -1, 1)
-    # Indices are clipped above; promising so skips XLA's own clamping.
-    sampled = jnp.take_along_axis(value_bhsd, flat_indices, axis=2, mode="promise_in_bounds")
-    sampled = sampled.reshape(batch, num_heads, num_queries, -1, head_dim)
-    # Multiply-and-sum rather than einsum: a dot would force the gathered [.., K, Dh]
-    # block into memory, an elementwise reduce lets XLA fuse the gather into it.
-    out = jnp.sum(sampled.astype(compute_dtype) * weights[..., None], axis=3)  # [B, H, Q, Dh]
-    out = jnp.transpose(out, (0, 2, 1, 3)).reshape(batch, num_queries, num_heads * head_dim)
-    return out.astype(value.dtype)
+    batch, heads, queries, _ = indices.shape
+    out = jnp.zeros((batch, heads, queries, value.shape[-1]), compute_dtype)
+    out, _ = jax.lax.scan(accumulate, out, (_chunks(indices), _chunks(weights)))
+    # Only the inputs are kept for the backward pass, never per-sample rows.
+    return _heads_last(out).astype(value.dtype), (value, sampling_locations, attention_weights)
+
+
+def _gather_attention_backward(spatial_shapes, residuals, out_grad):
+    value, sampling_locations, attention_weights = residuals
+    compute_dtype = _compute_dtype(value, sampling_locations, attention_weights)
+    batch, num_values, heads, head_dim = value.shape
+    corners = lambda loc, attn: _corners(spatial_shapes, loc, attn, compute_dtype)[::-1]
+    weights, corners_vjp, indices = jax.vjp(corners, sampling_locations, attention_weights, has_aux=True)
+    value_bhsd = jnp.transpose(value, (0, 2, 1, 3))
+    grad_bhqd = jnp.transpose(out_grad.reshape(batch, -1, heads, head_dim).astype(compute_dtype), (0, 2, 1, 3))
+    queries = grad_bhqd.shape[2]
+
+    def head_scatter(rows_grad, head_indices, head_updates):  # [S, Dh], [Q * k], [Q * k, Dh]
+        return rows_grad.at[head_indices].add(head_updates, mode="promise_in_bounds")
+
+    def accumulate(value_grad, chunk):
+        chunk_indices, chunk_weights = chunk
+        rows = _gathered(value_bhsd, chunk_indices).astype(compute_dtype)
+        # d out / d weight of a sample: the sampled row against the output's gradient.
+        weights_grad = jnp.sum(rows * grad_bhqd[:, :, :, None, :], axis=-1)
+        updates = (chunk_weights[..., None] * grad_bhqd[:, :, :, None, :]).reshape(batch, heads, -1, head_dim)
+        value_grad = jax.vmap(jax.vmap(head_scatter))(value_grad, chunk_indices.reshape(batch, heads, -1), updates)
+        return value_grad, weights_grad
+
+    value_grad = jnp.zeros((batch, heads, num_values, head_dim), compute_dtype)
+    value_grad, weights_grad = jax.lax.scan(accumulate, value_grad, (_chunks(indices), _chunks(weights)))
+    weights_grad = jnp.moveaxis(weights_grad, 0, -2).reshape(batch, heads, queries, -1)
+    locations_grad, attention_weights_grad = corners_vjp(weights_grad)
+    value_grad = jnp.transpose(value_grad, (0, 2, 1, 3)).astype(value.dtype)
+    return value_grad, locations_grad, attention_weights_grad
+
+
+_gather_attention.defvjp(_gather_attention_forward, _gather_attention_backward)
