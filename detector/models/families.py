@@ -181,26 +181,27 @@ def _retinanet_objective(config, model: nn.Module, num_classes: int) -> Objectiv
     def loss(params, batch, rng=None, normalizer=None):
         del rng  # deterministic
         cls_logits, box_deltas = model.apply({"params": params}, batch["image"])
-        return losses.retinanet_loss(
-            cls_logits,
-            box_deltas,
-            jnp.asarray(anchors),
-            batch["boxes"],
-            batch["labels"],
-            batch["boxes_mask"],
-            num_classes=num_classes,
-            positive_iou=loss_config.positive_iou,
-            negative_iou=loss_config.negative_iou,
-            allow_low_quality_matches=loss_config.allow_low_quality_matches,
-            focal_alpha=loss_config.focal_alpha,
-            focal_gamma=loss_config.focal_gamma,
-            box_loss=loss_config.box_loss,
-            huber_delta=loss_config.huber_delta,
-            box_loss_weight=loss_config.box_loss_weight,
-            box_coder_weights=box_coder_weights,
-            example_mask=batch["example_mask"],
-            normalizer=normalizer,
-        )
+        with jax.named_scope("loss"):
+            return losses.retinanet_loss(
+                cls_logits,
+                box_deltas,
+                jnp.asarray(anchors),
+                batch["boxes"],
+                batch["labels"],
+                batch["boxes_mask"],
+                num_classes=num_classes,
+                positive_iou=loss_config.positive_iou,
+                negative_iou=loss_config.negative_iou,
+                allow_low_quality_matches=loss_config.allow_low_quality_matches,
+                focal_alpha=loss_config.focal_alpha,
+                focal_gamma=loss_config.focal_gamma,
+                box_loss=loss_config.box_loss,
+                huber_delta=loss_config.huber_delta,
+                box_loss_weight=loss_config.box_loss_weight,
+                box_coder_weights=box_coder_weights,
+                example_mask=batch["example_mask"],
+                normalizer=normalizer,
+            )
 
     def detect(params, images):
         cls_logits, box_deltas = model.apply({"params": params}, images)
@@ -287,28 +288,32 @@ def _dino_objective(config, model: nn.Module, num_classes: int) -> Objective:
                 )
                 return jax.tree.map(lambda x: x[0], one)
 
-            image_rngs = jax.vmap(lambda image_id: jax.random.fold_in(rng, image_id))(batch["image_id"])
-            queries = jax.vmap(noised_copies)(image_rngs, gt_boxes, labels, gt_mask)
-            denoising_inputs = {
-                "labels": queries["labels"],
-                "boxes_cxcywh": queries["boxes_cxcywh"],
-                "attention_mask": denoising.denoising_attention_mask(
-                    groups, max_boxes, dino.num_queries, queries["valid"]
-                ),
-            }
+            # Named scopes tell the step's profile (benchmarks.profile_step) these stages apart.
+            with jax.named_scope("denoising"):
+                image_rngs = jax.vmap(lambda image_id: jax.random.fold_in(rng, image_id))(batch["image_id"])
+                queries = jax.vmap(noised_copies)(image_rngs, gt_boxes, labels, gt_mask)
+                denoising_inputs = {
+                    "labels": queries["labels"],
+                    "boxes_cxcywh": queries["boxes_cxcywh"],
+                    "attention_mask": denoising.denoising_attention_mask(
+                        groups, max_boxes, dino.num_queries, queries["valid"]
+                    ),
+                }
         outputs = model.apply({"params": params}, batch["image"], denoising_inputs)
 
         # Every decoder layer and the encoder proposals are matched on their own.
         all_logits = jnp.concatenate([outputs["logits"], outputs["encoder_logits"][None]])
         all_boxes = jnp.concatenate([outputs["boxes"], outputs["encoder_boxes"][None]])
         stopped = jax.lax.stop_gradient
-        _, query_to_gt = jax.vmap(
-            lambda lg, bx: matching.match_batch(lg, bx, labels, gt_boxes, gt_mask, **match_weights)
-        )(stopped(all_logits), stopped(all_boxes))
+        with jax.named_scope("matching"):
+            _, query_to_gt = jax.vmap(
+                lambda lg, bx: matching.match_batch(lg, bx, labels, gt_boxes, gt_mask, **match_weights)
+            )(stopped(all_logits), stopped(all_boxes))
         query_mask = jnp.broadcast_to(batch["example_mask"][:, None], query_to_gt.shape[1:])
-        _, matched = jax.vmap(lambda lg, bx, q: set_loss(lg, bx, labels, gt_boxes, q, divisor, query_mask))(
-            all_logits, all_boxes, query_to_gt
-        )
+        with jax.named_scope("loss"):
+            _, matched = jax.vmap(lambda lg, bx, q: set_loss(lg, bx, labels, gt_boxes, q, divisor, query_mask))(
+                all_logits, all_boxes, query_to_gt
+            )
         terms = {
             "cls_loss": jnp.sum(matched["cls_loss"]),
             "box_loss": jnp.sum(matched["l1_loss"]) + jnp.sum(matched["giou_loss"]),
@@ -318,9 +323,10 @@ def _dino_objective(config, model: nn.Module, num_classes: int) -> Objective:
             valid = queries["valid"] & batch["example_mask"][:, None]
             dn_to_gt = jnp.where(queries["positive"] & valid, queries["gt_index"], -1)
             # Each group repeats every box, so the groups' sum is divided by G times the box count.
-            _, dn = jax.vmap(lambda lg, bx: set_loss(lg, bx, labels, gt_boxes, dn_to_gt, divisor * groups, valid))(
-                outputs["denoising_logits"], outputs["denoising_boxes"]
-            )
+            with jax.named_scope("loss"):
+                _, dn = jax.vmap(lambda lg, bx: set_loss(lg, bx, labels, gt_boxes, dn_to_gt, divisor * groups, valid))(
+                    outputs["denoising_logits"], outputs["denoising_boxes"]
+                )
             dn_cls, dn_box = jnp.sum(dn["cls_loss"]), jnp.sum(dn["l1_loss"]) + jnp.sum(dn["giou_loss"])
             terms["cls_loss"] += dn_cls
             terms["box_loss"] += dn_box
