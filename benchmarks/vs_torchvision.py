@@ -25,15 +25,13 @@ from __future__ import annotations
 
 import importlib.metadata
 import importlib.util
-import json
 import statistics
-import subprocess
 import sys
 import time
 
 from absl import app, flags
 
-from benchmarks import report
+from benchmarks import peer_workers, report
 
 _BATCH_SIZES = flags.DEFINE_list("batch_sizes", ["2", "4"], "Global batch sizes to compare.")
 _IMAGE_SIZE = flags.DEFINE_integer("image_size", 512, "Square input size in pixels.")
@@ -56,23 +54,6 @@ INSTALL_HINT = (
 
 
 # ----------------------------------------------------------------------------- workers
-
-
-def _send(record: dict) -> None:
-    # stdout carries the protocol, one JSON object a line; logs go to stderr.
-    sys.stdout.write(json.dumps(record) + "\n")
-    sys.stdout.flush()
-
-
-def _serve(run_steps, ready: dict) -> None:
-    """Answers `run N` lines on stdin with the mean seconds per step of N steps."""
-    _send({"ready": True, **ready})
-    for line in sys.stdin:
-        command = line.split()
-        if command[:1] == ["run"]:
-            _send({"seconds_per_step": run_steps(int(command[1]))})
-        elif command[:1] == ["quit"]:
-            return
 
 
 def our_config(batch_size: int, image_size: int, precision: str):
@@ -107,7 +88,7 @@ def _jax_worker(batch_size: int, precision: str) -> None:
     config = our_config(batch_size, _IMAGE_SIZE.value, precision)
     step = jax_step.build(config, _NUM_CLASSES.value)
     step.run(1)  # first execution: buffer allocation, thread-pool start
-    _serve(
+    peer_workers.serve(
         step.run,
         {
             "compile_seconds": step.plan.compile_seconds,
@@ -171,7 +152,7 @@ def _torch_worker(batch_size: int, precision: str) -> None:
         return (time.perf_counter() - start) / max(num_steps, 1)
 
     run_steps(1)
-    _serve(
+    peer_workers.serve(
         run_steps,
         {
             "threads": torch.get_num_threads(),
@@ -182,44 +163,6 @@ def _torch_worker(batch_size: int, precision: str) -> None:
 
 
 # ----------------------------------------------------------------------------- the comparison
-
-
-class _Worker:
-    """A worker process, driven line by line."""
-
-    def __init__(self, framework: str, batch_size: int, precision: str):
-        self.framework = framework
-        command = [
-            sys.executable,
-            "-m",
-            "benchmarks.vs_torchvision",
-            f"--worker={framework}",
-            f"--batch_size={batch_size}",
-            f"--precision={precision}",
-            f"--image_size={_IMAGE_SIZE.value}",
-            f"--num_classes={_NUM_CLASSES.value}",
-        ]
-        self.process = subprocess.Popen(command, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
-        self.ready = self._receive()
-
-    def _receive(self) -> dict:
-        line = self.process.stdout.readline()
-        if not line:
-            raise RuntimeError(
-                f"the {self.framework} worker exited with status {self.process.wait()} (its log is above)"
-            )
-        return json.loads(line)
-
-    def run(self, num_steps: int) -> float:
-        self.process.stdin.write(f"run {num_steps}\n")
-        self.process.stdin.flush()
-        return self._receive()["seconds_per_step"]
-
-    def close(self) -> None:
-        if self.process.poll() is None:
-            self.process.stdin.write("quit\n")
-            self.process.stdin.close()
-            self.process.wait()
 
 
 def _precision() -> str:
@@ -244,19 +187,18 @@ def main(argv: list[str]) -> None:
     precision = _precision()
     rows, runs = [], {}
     for batch_size in (int(b) for b in _BATCH_SIZES.value):
-        ours = _Worker("jax", batch_size, precision)
-        theirs = _Worker("torch", batch_size, precision)
-        times = {"jax": [], "torch": []}
+        args = [
+            f"--batch_size={batch_size}",
+            f"--precision={precision}",
+            f"--image_size={_IMAGE_SIZE.value}",
+            f"--num_classes={_NUM_CLASSES.value}",
+        ]
+        ours = peer_workers.Worker("benchmarks.vs_torchvision", "jax", args)
+        theirs = peer_workers.Worker("benchmarks.vs_torchvision", "torch", args)
         try:
-            for repeat in range(_REPEATS.value):
-                order = (ours, theirs) if repeat % 2 == 0 else (theirs, ours)
-                for worker in order:
-                    seconds = worker.run(_STEPS.value)
-                    times[worker.framework].append(seconds)
-                    print(
-                        f"batch {batch_size}, run {repeat + 1}: {worker.framework} {batch_size / seconds:.3f} images/s",
-                        flush=True,
-                    )
+            times = peer_workers.alternate(
+                [ours, theirs], _REPEATS.value, _STEPS.value, f"batch {batch_size}", batch_size
+            )
         finally:
             ours.close()
             theirs.close()
