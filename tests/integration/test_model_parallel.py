@@ -82,7 +82,7 @@ def test_fsdp_divides_parameters_and_optimizer_state_by_eight(vit_plans):
     assert state_bytes_from_xla(fsdp) <= 1.1 * state_bytes_from_xla(unsharded) / 8
 
 
-@pytest.mark.parametrize("model", [2, 4, 8])
+@pytest.mark.parametrize("model", [2, 8])  # the smallest split and the largest (one host's devices)
 def test_tensor_parallel_divides_vit_state_by_the_model_axis(vit_plans, model):
     ratio = state_bytes_from_xla(vit_plans((1, 1, 1))) / state_bytes_from_xla(vit_plans((1, 1, model)))
     assert ratio >= 0.9 * model, ratio

@@ -307,7 +307,8 @@ def test_parameters_are_partitioned_on_a_2x2x2_mesh(data_dir):
     assert any("'fsdp'" in spec for spec in kernels), specs
 
 
-@pytest.mark.parametrize("mesh_shape", [(1, 2, 4), (2, 2, 2)], ids=lambda shape: "x".join(map(str, shape)))
+# (2, 2, 2): every axis splits. Other meshes and detectors: tests/integration/test_sharded_equivalence.py.
+@pytest.mark.parametrize("mesh_shape", [(2, 2, 2)], ids=lambda shape: "x".join(map(str, shape)))
 def test_sharding_changes_placement_not_results(sharding_comparison, mesh_shape):
     sharded = sharding_comparison.run(mesh_shape)
     reference, initial = sharding_comparison.reference, sharding_comparison.initial
