@@ -148,7 +148,8 @@ def _torch_worker() -> None:
     for boxes, classes, mask in zip(batch["boxes"], batch["labels"], batch["boxes_mask"]):
         y0, x0, y1, x1 = (torch.as_tensor(boxes[mask][:, i] / size) for i in range(4))
         cxcywh = torch.stack([(x0 + x1) / 2, (y0 + y1) / 2, x1 - x0, y1 - y0], -1).float().to(device)
-        labels.append({"class_labels": torch.as_tensor(classes[mask], device=device), "boxes": cxcywh})
+        classes = torch.as_tensor(classes[mask], dtype=torch.int64, device=device)
+        labels.append({"class_labels": classes, "boxes": cxcywh})
     autocast = torch.autocast(device.type, dtype=torch.bfloat16, enabled=_PRECISION.value == "bfloat16")
 
     def run_steps(num_steps: int) -> float:
@@ -205,13 +206,17 @@ def main(argv: list[str]) -> None:
         f"--num_classes={_NUM_CLASSES.value}",
         *[arg for arg in sys.argv[1:] if arg.startswith("--config")],
     ]
-    ours = peer_workers.Worker("benchmarks.vs_transformers", "jax", args)
-    theirs = peer_workers.Worker("benchmarks.vs_transformers", "torch", args)
+    workers = []
     try:
+        # The peer first: a missing or broken peer fails before our step spends minutes compiling.
+        theirs = peer_workers.Worker("benchmarks.vs_transformers", "torch", args)
+        workers.append(theirs)
+        ours = peer_workers.Worker("benchmarks.vs_transformers", "jax", args)
+        workers.append(ours)
         times = peer_workers.alternate([ours, theirs], _REPEATS.value, _STEPS.value, f"batch {batch_size}", batch_size)
     finally:
-        ours.close()
-        theirs.close()
+        for worker in workers:
+            worker.close()
     rows = []
     for name, worker in (("ours: DINO-R50 (JAX)", ours), ("transformers Deformable-DETR (PyTorch)", theirs)):
         seconds = statistics.median(times[worker.framework])
