@@ -13,6 +13,7 @@ import json
 import resource
 import subprocess
 import sys
+import time
 from collections.abc import Callable, Sequence
 
 
@@ -36,6 +37,25 @@ def serve(run_steps: Callable[[int], float], ready: dict) -> None:
             send({"seconds_per_step": seconds, "peak_rss_bytes": peak_rss_bytes()})
         elif command[:1] == ["quit"]:
             return
+
+
+def torch_steps(train_step: Callable[[], None], device) -> Callable[[int], float]:
+    """`run_steps(N)`: N calls of a PyTorch `train_step`, the mean seconds per step (a GPU waited for)."""
+    import torch
+
+    def synchronize() -> None:
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+
+    def run_steps(num_steps: int) -> float:
+        synchronize()
+        start = time.perf_counter()
+        for _ in range(num_steps):
+            train_step()
+        synchronize()
+        return (time.perf_counter() - start) / max(num_steps, 1)
+
+    return run_steps
 
 
 class Worker:

@@ -27,7 +27,6 @@ import importlib.metadata
 import importlib.util
 import statistics
 import sys
-import time
 
 from absl import app, flags
 
@@ -136,21 +135,15 @@ def _torch_worker(batch_size: int, precision: str) -> None:
         )
     autocast = torch.autocast(device.type, dtype=torch.bfloat16, enabled=precision == "bfloat16")
 
-    def run_steps(num_steps: int) -> float:
-        if device.type == "cuda":
-            torch.cuda.synchronize()
-        start = time.perf_counter()
-        for _ in range(num_steps):
-            with autocast:
-                losses = model(images, targets)
-            loss = sum(losses.values())
-            optimizer.zero_grad(set_to_none=True)
-            loss.backward()
-            optimizer.step()
-        if device.type == "cuda":
-            torch.cuda.synchronize()
-        return (time.perf_counter() - start) / max(num_steps, 1)
+    def train_step() -> None:
+        with autocast:
+            losses = model(images, targets)
+        loss = sum(losses.values())
+        optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        optimizer.step()
 
+    run_steps = peer_workers.torch_steps(train_step, device)
     run_steps(1)
     peer_workers.serve(
         run_steps,

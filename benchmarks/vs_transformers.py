@@ -32,7 +32,6 @@ import importlib.metadata
 import importlib.util
 import statistics
 import sys
-import time
 
 from absl import app, flags
 from ml_collections import config_flags
@@ -152,21 +151,15 @@ def _torch_worker() -> None:
         labels.append({"class_labels": classes, "boxes": cxcywh})
     autocast = torch.autocast(device.type, dtype=torch.bfloat16, enabled=_PRECISION.value == "bfloat16")
 
-    def run_steps(num_steps: int) -> float:
-        if device.type == "cuda":
-            torch.cuda.synchronize()
-        start = time.perf_counter()
-        for _ in range(num_steps):
-            with autocast:
-                loss = model(pixel_values=pixels, labels=labels).loss
-            optimizer.zero_grad(set_to_none=True)
-            loss.backward()
-            torch.nn.utils.clip_grad_norm_(trainable, CLIP_NORM)
-            optimizer.step()
-        if device.type == "cuda":
-            torch.cuda.synchronize()
-        return (time.perf_counter() - start) / max(num_steps, 1)
+    def train_step() -> None:
+        with autocast:
+            loss = model(pixel_values=pixels, labels=labels).loss
+        optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(trainable, CLIP_NORM)
+        optimizer.step()
 
+    run_steps = peer_workers.torch_steps(train_step, device)
     run_steps(1)
     peer_workers.serve(
         run_steps,
