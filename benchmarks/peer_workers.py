@@ -22,6 +22,15 @@ def peak_rss_bytes() -> int:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 
 
+def precision(flag_value: str) -> str:
+    """A `--precision` flag's value, with "auto" resolved: bfloat16 on a GPU, float32 elsewhere."""
+    if flag_value != "auto":
+        return flag_value
+    import jax
+
+    return "bfloat16" if jax.default_backend() == "gpu" else "float32"
+
+
 def send(record: dict) -> None:
     sys.stdout.write(json.dumps(record) + "\n")
     sys.stdout.flush()

@@ -158,14 +158,6 @@ def _torch_worker(batch_size: int, precision: str) -> None:
 # ----------------------------------------------------------------------------- the comparison
 
 
-def _precision() -> str:
-    if _PRECISION.value != "auto":
-        return _PRECISION.value
-    import jax
-
-    return "bfloat16" if jax.default_backend() == "gpu" else "float32"
-
-
 def main(argv: list[str]) -> None:
     del argv
     if _WORKER.value == "jax":
@@ -177,7 +169,7 @@ def main(argv: list[str]) -> None:
     # torch is only imported by its worker: in one process with TensorFlow
     # (which the detector package loads for tf.data) it can crash on import.
     versions = {name: importlib.metadata.version(name) for name in ("torch", "torchvision")}
-    precision = _precision()
+    precision = peer_workers.precision(_PRECISION.value)
     rows, runs = [], {}
     for batch_size in (int(b) for b in _BATCH_SIZES.value):
         args = [

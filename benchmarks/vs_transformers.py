@@ -172,14 +172,6 @@ def _torch_worker() -> None:
     )
 
 
-def _precision() -> str:
-    if _PRECISION.value != "auto":
-        return _PRECISION.value
-    import jax
-
-    return "bfloat16" if jax.default_backend() == "gpu" else "float32"
-
-
 def main(argv: list[str]) -> None:
     del argv
     if _WORKER.value == "jax":
@@ -191,7 +183,7 @@ def main(argv: list[str]) -> None:
     # torch is only imported by its worker: next to TensorFlow (which the
     # detector package loads for tf.data) it can crash on import.
     versions = {name: importlib.metadata.version(name) for name in PEER_PACKAGES}
-    precision, batch_size, size = _precision(), _BATCH_SIZE.value, _IMAGE_SIZE.value
+    precision, batch_size, size = peer_workers.precision(_PRECISION.value), _BATCH_SIZE.value, _IMAGE_SIZE.value
     args = [
         f"--batch_size={batch_size}",
         f"--image_size={size}",
