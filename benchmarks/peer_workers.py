@@ -67,6 +67,10 @@ def torch_steps(train_step: Callable[[], None], device) -> Callable[[int], float
     return run_steps
 
 
+class WorkerFailed(RuntimeError):
+    """A worker process ended before answering (its own log, on stderr, says why)."""
+
+
 class Worker:
     """`python -m MODULE --worker=FRAMEWORK ARGS...`, driven line by line."""
 
@@ -80,7 +84,7 @@ class Worker:
     def _receive(self) -> dict:
         line = self.process.stdout.readline()
         if not line:
-            raise RuntimeError(
+            raise WorkerFailed(
                 f"the {self.framework} worker exited with status {self.process.wait()} (its log is above)"
             )
         return json.loads(line)

@@ -178,15 +178,20 @@ def main(argv: list[str]) -> None:
             f"--image_size={_IMAGE_SIZE.value}",
             f"--num_classes={_NUM_CLASSES.value}",
         ]
-        ours = peer_workers.Worker("benchmarks.vs_torchvision", "jax", args)
-        theirs = peer_workers.Worker("benchmarks.vs_torchvision", "torch", args)
+        workers = []
         try:
+            ours = peer_workers.Worker("benchmarks.vs_torchvision", "jax", args)
+            workers.append(ours)
+            theirs = peer_workers.Worker("benchmarks.vs_torchvision", "torch", args)
+            workers.append(theirs)
             times = peer_workers.alternate(
                 [ours, theirs], _REPEATS.value, _STEPS.value, f"batch {batch_size}", batch_size
             )
+        except peer_workers.WorkerFailed as failed:
+            sys.exit(f"error: {failed}")
         finally:
-            ours.close()
-            theirs.close()
+            for worker in workers:
+                worker.close()
         ours_ips = batch_size / statistics.median(times["jax"])
         theirs_ips = batch_size / statistics.median(times["torch"])
         rows.append(

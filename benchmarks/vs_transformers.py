@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import importlib.metadata
 import importlib.util
+import math
 import statistics
 import sys
 
@@ -57,6 +58,7 @@ INSTALL_HINT = (
     "(several GB; only this benchmark needs them)"
 )
 LEARNING_RATE, WEIGHT_DECAY, CLIP_NORM = 1e-4, 1e-4, 0.1
+PEER_QUERIES = 900
 
 
 def our_config(config, batch_size: int, image_size: int, precision: str):
@@ -105,9 +107,9 @@ def transformers_model(num_classes: int):
         backbone="resnet50",
         use_pretrained_backbone=False,
         num_labels=num_classes,
-        num_queries=900,
+        num_queries=PEER_QUERIES,
         two_stage=True,
-        two_stage_num_proposals=900,
+        two_stage_num_proposals=PEER_QUERIES,
         with_box_refine=True,
         encoder_layers=6,
         decoder_layers=6,
@@ -172,12 +174,25 @@ def _torch_worker() -> None:
     )
 
 
+def pyramid_positions(image_size: int, min_level: int, max_level: int) -> int:
+    """Positions of the encoder's pyramid (strides 2**min_level .. 2**max_level, sides rounded up)."""
+    return sum(math.ceil(image_size / 2**level) ** 2 for level in range(min_level, max_level + 1))
+
+
 def main(argv: list[str]) -> None:
     del argv
     if _WORKER.value == "jax":
         return _jax_worker()
     if _WORKER.value == "torch":
         return _torch_worker()
+    dino = _CONFIG.value.model.dino
+    positions = pyramid_positions(_IMAGE_SIZE.value, dino.min_level, dino.max_level)
+    if positions < PEER_QUERIES:
+        # Both sides pick their queries among the encoder's positions.
+        sys.exit(
+            f"error: --image_size={_IMAGE_SIZE.value} gives a pyramid of {positions} positions, fewer than the "
+            f"{PEER_QUERIES} queries both models select from it; use --image_size=256 or more"
+        )
     if any(importlib.util.find_spec(name) is None for name in PEER_PACKAGES):
         sys.exit(f"error: {INSTALL_HINT}")
     # torch is only imported by its worker: next to TensorFlow (which the
@@ -199,6 +214,8 @@ def main(argv: list[str]) -> None:
         ours = peer_workers.Worker("benchmarks.vs_transformers", "jax", args)
         workers.append(ours)
         times = peer_workers.alternate([ours, theirs], _REPEATS.value, _STEPS.value, f"batch {batch_size}", batch_size)
+    except peer_workers.WorkerFailed as failed:
+        sys.exit(f"error: {failed}")
     finally:
         for worker in workers:
             worker.close()

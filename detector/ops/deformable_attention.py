@@ -102,9 +102,9 @@ def multi_scale_deformable_attention(
     if method not in METHODS:
         raise ValueError(f"method={method!r}; use one of {', '.join(METHODS)}")
 
-    compute_dtype = _compute_dtype(value, sampling_locations, attention_weights)
     if method == "gather" or (method == "auto" and num_values > DENSE_MAX_POSITIONS):
         return _gather_attention(spatial_shapes, value, sampling_locations, attention_weights)
+    compute_dtype = _compute_dtype(value, sampling_locations, attention_weights)
 
     # The sampling matrix: batch and heads stay scatter batch axes (so a heads
     # sharding splits the scatter without communication); within one, a single

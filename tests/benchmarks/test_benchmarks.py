@@ -142,6 +142,14 @@ def test_peer_comparison_says_how_to_install_the_peer_when_missing(module, peers
     assert last_line.startswith("error: ") and 'pip install -e ".[bench]"' in last_line
 
 
+def test_transformers_comparison_refuses_an_image_too_small_for_the_queries():
+    # 128 px: 16^2 + 8^2 + 4^2 + 2^2 = 340 positions for 900 queries; refused before any worker starts.
+    result = _run("benchmarks.vs_transformers", "--image_size=128")
+    assert result.returncode != 0
+    last_line = result.stderr.strip().splitlines()[-1]
+    assert last_line.startswith("error: --image_size=128") and "340 positions" in last_line, result.stderr[-2000:]
+
+
 # torchvision's parameter counts, from its own process (torchvision can crash
 # on import next to TensorFlow, which this process has loaded).
 _TORCHVISION_PARAMETERS = r"""
