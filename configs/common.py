@@ -123,18 +123,18 @@ def dino_model(
     encoder_layers: int = 6,
     decoder_layers: int = 6,
     num_queries: int = 900,
-    denoising_groups: int = 2,
+    denoising_pairs: int = 100,
 ) -> ml_collections.ConfigDict:
     """`config.model.dino`: the DINO-4scale transformer (Zhang et al. 2022), read when `model.name == "dino"`.
 
     The defaults are the paper's: 256 wide, 8 heads, FFN 2048, 6 encoder and
     6 decoder layers, 4 pyramid levels (strides 8-64) with 4 sampling points
-    per head and level, 900 queries. Denoising: `denoising_groups` groups of
-    a positive and a negative noised copy of each of the `input.max_boxes`
-    ground-truth slots (static shapes; DINO's 100 denoising queries over a
-    batch's most crowded image is 1 group at 100 boxes, 5 at 20), labels
-    flipped with probability label_noise_ratio / 2, box corners moved by up
-    to box_noise_scale half sizes (negatives by 1-2x that). 0 groups: off.
+    per head and level, 900 queries. Denoising: DINO's `dn_number` of 100
+    positive-negative pairs per image, filled with whole groups of a
+    positive and a negative noised copy of each of the image's n boxes (100 // n
+    groups, at least one; 2 max(pairs, input.max_boxes) static query slots),
+    labels flipped with probability label_noise_ratio / 2, box corners moved
+    by up to box_noise_scale half sizes (negatives by 1-2x that). 0: off.
     """
     return ml_collections.ConfigDict(
         dict(
@@ -147,7 +147,7 @@ def dino_model(
             min_level=3,
             max_level=6,
             num_queries=num_queries,
-            denoising_groups=denoising_groups,
+            denoising_pairs=denoising_pairs,
             label_noise_ratio=0.5,
             box_noise_scale=1.0,
         )

@@ -3,10 +3,11 @@
 The model: ResNet-50 C3-C5 plus one stride-2 level (4 scales, 256 channels
 each), a 6-layer deformable encoder and 6-layer decoder (8 heads, FFN 2048,
 4 points per head and level), two-stage mixed query selection with 900
-queries, contrastive denoising (2 groups of the 100 padded ground-truth
-slots), Hungarian matching on the device (focal 2, L1 5, GIoU 2) and set
-losses (focal 1, L1 5, GIoU 2) on every decoder layer, the encoder
-proposals and the denoising groups, top-100 over queries x classes at test
+queries, contrastive denoising (DINO's 100 positive-negative pairs per
+image: 100 // n groups for an image's n boxes, in 200 query slots),
+Hungarian matching on the device (focal 2, L1 5, GIoU 2) and set losses
+(focal 1, L1 5, GIoU 2) on every decoder layer, the encoder proposals and
+the denoising groups, top-100 over queries x classes at test
 time without NMS.
 
 The recipe: AdamW lr 1e-4, weight decay 1e-4, gradient clipping at 0.1,

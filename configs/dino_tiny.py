@@ -26,7 +26,7 @@ def get_config() -> ml_collections.ConfigDict:
         encoder_layers=2,
         decoder_layers=3,
         num_queries=100,
-        denoising_groups=2,
+        denoising_pairs=32,  # 64 query slots for the 16 box slots, as 2 groups were
     )
     config.optimizer.learning_rate = 2e-3
     config.optimizer.weight_decay = 1e-4

@@ -10,9 +10,9 @@ Differences from the reference implementation, all for static shapes:
   * images are not masked: the zero padding the input pipeline adds to
     reach `input.image_size` is part of the map (valid ratios are 1), as
     for the project's RetinaNet;
-  * the denoising groups are a fixed number G of copies of all
-    `input.max_boxes` slots, not `dn_number // max_gt` of the batch's real
-    boxes (see `detector.ops.denoising`);
+  * the denoising groups are `dn_number // n` for each image's own n boxes,
+    not for the batch's most crowded image, in a fixed number of query
+    slots (see `detector.ops.denoising`);
   * encoder proposals outside (0.01, 0.99) are excluded from the top-k by
     their score rather than by infinite coordinates;
   * the decoder's output LayerNorm feeds both the box refinement and the
@@ -43,8 +43,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from detector.models.layers import rematerialized
+from detector.models.layers import relu, rematerialized
 from detector.models.vit import Projection, layer_norm
+from detector.ops.attention import dot_product_attention
 from detector.ops.deformable_attention import multi_scale_deformable_attention
 
 TOKEN_AXES = ("batch", "tokens", "act_embed")
@@ -210,12 +211,8 @@ class MultiHeadAttention(nn.Module):
             return nn.with_logical_constraint(y, HEAD_AXES)
 
         q, k, v = project(query, "query"), project(key, "key"), project(value, "value")
-        # Logits and softmax in float32, as in the ViT.
-        logits = jnp.einsum("bqhd,bkhd->bhqk", q, k, preferred_element_type=jnp.float32) * head_dim**-0.5
-        if mask is not None:
-            logits = jnp.where(mask[:, None], logits, jnp.finfo(jnp.float32).min)
-        weights = jax.nn.softmax(logits, axis=-1).astype(self.dtype)
-        return _merge_heads(jnp.einsum("bhqk,bkhd->bqhd", weights, v), embed, self.dtype)
+        # Logits and softmax in float32, as in the ViT; no [B, H, T, T] array kept for the backward pass.
+        return _merge_heads(dot_product_attention(q, k, v, mask), embed, self.dtype)
 
 
 class FeedForward(nn.Module):
@@ -228,7 +225,7 @@ class FeedForward(nn.Module):
     def __call__(self, x: jax.Array) -> jax.Array:
         embed = x.shape[-1]
         y = Projection((self.hidden,), ("embed", "mlp"), ("mlp",), dtype=self.dtype, name="fc1")(x)
-        y = nn.with_logical_constraint(nn.relu(y), FFN_AXES)
+        y = nn.with_logical_constraint(relu(y), FFN_AXES)
         y = Projection((embed,), ("mlp", "embed"), ("norm",), dtype=self.dtype, name="fc2")(y)
         return nn.with_logical_constraint(y, TOKEN_AXES)
 
@@ -255,7 +252,7 @@ class PredictionMlp(nn.Module):
                 kernel_init=nn.initializers.zeros if last and self.zero_last else None,
                 name=f"layer{i}",
             )(x)
-            x = x if last else nn.relu(x)
+            x = x if last else relu(x)
         return x
 
 

@@ -233,8 +233,7 @@ def _dino_objective(config, model: nn.Module, num_classes: int) -> Objective:
     dino, loss_config = config.model.dino, config.loss
     weights = loss_config.set_prediction
     image_size = tuple(config.input.image_size)
-    max_boxes = config.input.max_boxes
-    groups = dino.denoising_groups
+    pairs = dino.denoising_pairs
     focal = dict(focal_alpha=loss_config.focal_alpha, focal_gamma=loss_config.focal_gamma)
     loss_weights = dict(class_weight=weights.class_weight, l1_weight=weights.l1_weight, giou_weight=weights.giou_weight)
     match_weights = dict(
@@ -249,10 +248,10 @@ def _dino_objective(config, model: nn.Module, num_classes: int) -> Objective:
             f"postprocess.max_detections={max_detections} exceeds model.dino.num_queries x classes = "
             f"{dino.num_queries} x {num_classes}; lower it or use more queries"
         )
-    if not isinstance(groups, int) or groups < 0:
-        raise ConfigError(f"model.dino.denoising_groups={groups!r}; use a whole number >= 0 (0: no denoising)")
+    if not isinstance(pairs, int) or isinstance(pairs, bool) or pairs < 0:
+        raise ConfigError(f"model.dino.denoising_pairs={pairs!r}; use a whole number >= 0 (0: no denoising)")
 
-    def set_loss(logits, boxes, labels, gt_boxes, query_to_gt, num_boxes, query_mask):
+    def set_loss(logits, boxes, labels, gt_boxes, query_to_gt, num_boxes, query_weight):
         return losses.set_prediction_loss(
             logits,
             boxes,
@@ -260,7 +259,7 @@ def _dino_objective(config, model: nn.Module, num_classes: int) -> Objective:
             gt_boxes,
             query_to_gt,
             num_boxes=num_boxes,
-            query_mask=query_mask,
+            query_weight=query_weight,
             **focal,
             **loss_weights,
         )
@@ -272,7 +271,7 @@ def _dino_objective(config, model: nn.Module, num_classes: int) -> Objective:
         num_boxes = jnp.sum(gt_mask).astype(jnp.float32)
         divisor = jnp.maximum(num_boxes, 1.0) if normalizer is None else normalizer
         denoising_inputs = None
-        if groups:
+        if pairs:
             # Each image's noise is drawn from (rng, its image id): the same
             # whichever micro-batch, device or batch position the image has.
             def noised_copies(image_rng, boxes, image_labels, mask):
@@ -281,7 +280,7 @@ def _dino_objective(config, model: nn.Module, num_classes: int) -> Objective:
                     boxes[None],
                     image_labels[None],
                     mask[None],
-                    num_groups=groups,
+                    denoising_pairs=pairs,
                     num_classes=num_classes,
                     label_noise_ratio=dino.label_noise_ratio,
                     box_noise_scale=dino.box_noise_scale,
@@ -295,9 +294,7 @@ def _dino_objective(config, model: nn.Module, num_classes: int) -> Objective:
                 denoising_inputs = {
                     "labels": queries["labels"],
                     "boxes_cxcywh": queries["boxes_cxcywh"],
-                    "attention_mask": denoising.denoising_attention_mask(
-                        groups, max_boxes, dino.num_queries, queries["valid"]
-                    ),
+                    "attention_mask": denoising.denoising_attention_mask(queries["group"], dino.num_queries),
                 }
         outputs = model.apply({"params": params}, batch["image"], denoising_inputs)
 
@@ -319,12 +316,14 @@ def _dino_objective(config, model: nn.Module, num_classes: int) -> Objective:
             "box_loss": jnp.sum(matched["l1_loss"]) + jnp.sum(matched["giou_loss"]),
             "encoder_loss": matched["cls_loss"][-1] + matched["l1_loss"][-1] + matched["giou_loss"][-1],
         }
-        if groups:
+        if pairs:
             valid = queries["valid"] & batch["example_mask"][:, None]
             dn_to_gt = jnp.where(queries["positive"] & valid, queries["gt_index"], -1)
-            # Each group repeats every box, so the groups' sum is divided by G times the box count.
+            # Each of an image's G groups repeats every box: its queries weigh 1 / G,
+            # so each image's denoising counts as much as one group, as in DINO.
+            dn_weight = valid / jnp.maximum(queries["num_groups"], 1)[:, None].astype(jnp.float32)
             with jax.named_scope("loss"):
-                _, dn = jax.vmap(lambda lg, bx: set_loss(lg, bx, labels, gt_boxes, dn_to_gt, divisor * groups, valid))(
+                _, dn = jax.vmap(lambda lg, bx: set_loss(lg, bx, labels, gt_boxes, dn_to_gt, divisor, dn_weight))(
                     outputs["denoising_logits"], outputs["denoising_boxes"]
                 )
             dn_cls, dn_box = jnp.sum(dn["cls_loss"]), jnp.sum(dn["l1_loss"]) + jnp.sum(dn["giou_loss"])

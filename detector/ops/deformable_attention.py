@@ -208,7 +208,9 @@ def _gather_attention_forward(spatial_shapes, value, sampling_locations, attenti
     def accumulate(out, chunk):
         chunk_indices, chunk_weights = chunk
         rows = _gathered(value_bhsd, chunk_indices).astype(compute_dtype)
-        return out + jnp.sum(rows * chunk_weights[..., None], axis=3), None
+        for i in range(SAMPLES_PER_CHUNK):
+            out = out + rows[:, :, :, i] * chunk_weights[..., i, None]
+        return out, None
 
     batch, heads, queries, _ = indices.shape
     out = jnp.zeros((batch, heads, queries, value.shape[-1]), compute_dtype)

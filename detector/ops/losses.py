@@ -191,7 +191,7 @@ def set_prediction_loss(
     query_to_gt,
     *,
     num_boxes,
-    query_mask=None,
+    query_weight=None,
     focal_alpha: float = 0.25,
     focal_gamma: float = 2.0,
     class_weight: float = 1.0,
@@ -214,7 +214,8 @@ def set_prediction_loss(
         gt_boxes_cxcywh: float ``[B, M, 4]`` normalised like the predictions.
         query_to_gt: int32 ``[B, N]`` the ground-truth slot each query is assigned to, -1 for none.
         num_boxes: scalar, the normaliser (at least 1 is used).
-        query_mask: optional bool ``[B, N]``; False removes a query from every term (invalid denoising copies).
+        query_weight: optional float or bool ``[B, N]``, each query's weight in every term; 0 (False)
+            removes it (invalid denoising copies); DINO weighs an image's G denoising groups 1 / G each.
         focal_alpha, focal_gamma: see `sigmoid_focal_loss`.
         class_weight, l1_weight, giou_weight: DINO's 1, 5 and 2 by default.
 
@@ -225,8 +226,8 @@ def set_prediction_loss(
     pred_logits = jnp.asarray(pred_logits, jnp.float32)
     pred_boxes = jnp.asarray(pred_boxes_cxcywh, jnp.float32)
     num_classes = pred_logits.shape[-1]
-    keep = jnp.ones(query_to_gt.shape, jnp.float32) if query_mask is None else jnp.asarray(query_mask, jnp.float32)
-    assigned = (query_to_gt >= 0).astype(jnp.float32) * keep
+    keep = jnp.ones(query_to_gt.shape, jnp.float32) if query_weight is None else jnp.asarray(query_weight, jnp.float32)
+    assigned = (query_to_gt >= 0) & (keep > 0)
     index = jnp.maximum(query_to_gt, 0)
     labels = jnp.take_along_axis(jnp.asarray(gt_labels, jnp.int32), index, axis=1)
     targets = jax.nn.one_hot(labels, num_classes, dtype=jnp.float32) * assigned[..., None]
@@ -238,8 +239,8 @@ def set_prediction_loss(
     l1 = jnp.sum(jnp.abs(pred_boxes - boxes), axis=-1)
     giou = 1.0 - box_ops.generalized_iou(box_ops.cxcywh_to_yxyx(pred_boxes), box_ops.cxcywh_to_yxyx(boxes))
     # where, not a product: unassigned queries' boxes may be anything (0 * nan = nan).
-    l1_loss = jnp.sum(jnp.where(assigned > 0, l1, 0.0)) / normalizer
-    giou_loss = jnp.sum(jnp.where(assigned > 0, giou, 0.0)) / normalizer
+    l1_loss = jnp.sum(jnp.where(assigned, l1 * keep, 0.0)) / normalizer
+    giou_loss = jnp.sum(jnp.where(assigned, giou * keep, 0.0)) / normalizer
     terms = {
         "cls_loss": class_weight * cls_loss,
         "l1_loss": l1_weight * l1_loss,

@@ -52,7 +52,7 @@ DINO_OVERRIDES = {
     "model.dino.encoder_layers": 1,
     "model.dino.decoder_layers": 2,
     "model.dino.num_queries": 32,
-    "model.dino.denoising_groups": 2,
+    "model.dino.denoising_pairs": 16,  # 32 query slots for the 8 box slots
 }
 
 

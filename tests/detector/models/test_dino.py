@@ -34,7 +34,9 @@ def tiny_config(dtype: str = "float32"):
     config.input.image_size = (IMAGE, IMAGE)
     config.input.max_boxes = MAX_BOXES
     config.model.dino.num_queries = NUM_QUERIES
-    config.model.dino.denoising_groups = 2  # the leak test needs a second group that must not see the first
+    # 2 pairs per box slot: image 0's 3 boxes get 2 groups (the leak test needs a second group that must
+    # not see the first), image 1's 2 boxes 4 groups.
+    config.model.dino.denoising_pairs = 2 * MAX_BOXES
     config.model.dtype = dtype
     return config
 
@@ -47,17 +49,17 @@ def ground_truth():
     return np.concatenate([centres, sizes], -1).astype(np.float32), labels
 
 
-def denoising_inputs(groups: int, rng=jax.random.key(3)) -> dict[str, jax.Array]:
+def denoising_inputs(pairs: int, rng=jax.random.key(3)) -> dict[str, jax.Array]:
     """What the DINO objective feeds the model: noised queries and their mask."""
     boxes, labels = ground_truth()
     # Compiled: eagerly, each of its ops would compile a program of its own.
-    queries = jax.jit(denoising.contrastive_denoising_queries, static_argnames=("num_groups", "num_classes"))(
-        rng, boxes, labels, GT_MASK, num_groups=groups, num_classes=NUM_CLASSES
+    queries = jax.jit(denoising.contrastive_denoising_queries, static_argnames=("denoising_pairs", "num_classes"))(
+        rng, boxes, labels, GT_MASK, denoising_pairs=pairs, num_classes=NUM_CLASSES
     )
     return {
         "labels": queries["labels"],
         "boxes_cxcywh": queries["boxes_cxcywh"],
-        "attention_mask": denoising.denoising_attention_mask(groups, MAX_BOXES, NUM_QUERIES, queries["valid"]),
+        "attention_mask": jax.jit(denoising.denoising_attention_mask, static_argnums=1)(queries["group"], NUM_QUERIES),
     }
 
 
@@ -78,15 +80,15 @@ def setup():
     # numpy's generator: jax.random.normal would compile a program per parameter shape.
     rng = np.random.default_rng(2)
     params = jax.tree.map(lambda p: np.asarray(p) + 0.05 * rng.standard_normal(p.shape, dtype=np.float32), params)
-    groups = config.model.dino.denoising_groups
+    pairs = config.model.dino.denoising_pairs
     return types.SimpleNamespace(
         config=config,
         model=model,
         params=params,
         images=images,
-        groups=groups,
-        num_denoising=denoising.num_denoising_queries(groups, MAX_BOXES),
-        dn=denoising_inputs(groups),
+        pairs=pairs,
+        num_denoising=denoising.num_denoising_queries(pairs, MAX_BOXES),
+        dn=denoising_inputs(pairs),
         apply=jax.jit(lambda p, x, dn: model.apply({"params": p}, x, dn)),
         apply_plain=jax.jit(lambda p, x: model.apply({"params": p}, x)),
     )
@@ -117,7 +119,7 @@ def test_denoising_query_leaks_only_into_its_own_group(setup, outputs):
 
     for key in ("logits", "boxes", "encoder_logits", "encoder_boxes"):
         assert_same(after[key], outputs[key])
-    group_size = 2 * MAX_BOXES
+    group_size = 2 * 3  # image 0's group: its 3 boxes' positive and negative copies
     for key in ("denoising_logits", "denoising_boxes"):
         assert_same(after[key][:, 1], outputs[key][:, 1])  # image 1
         assert_same(after[key][:, 0, group_size:], outputs[key][:, 0, group_size:])  # group 1 of image 0
@@ -144,10 +146,10 @@ def test_shapes_and_float32_outputs_and_params_with_bfloat16_compute():
     variables = jax.eval_shape(model.init, jax.random.key(0), images)
     assert all(p.dtype == jnp.float32 for p in jax.tree.leaves(nn.meta.unbox(variables["params"])))
 
-    groups = config.model.dino.denoising_groups
-    d = denoising.num_denoising_queries(groups, MAX_BOXES)
+    pairs = config.model.dino.denoising_pairs
+    d = denoising.num_denoising_queries(pairs, MAX_BOXES)
     layers = config.model.dino.decoder_layers
-    out = jax.eval_shape(model.apply, variables, images, denoising_inputs(groups))
+    out = jax.eval_shape(model.apply, variables, images, denoising_inputs(pairs))
     want = {
         "logits": (layers, BATCH, NUM_QUERIES, NUM_CLASSES),
         "boxes": (layers, BATCH, NUM_QUERIES, 4),

@@ -1,4 +1,4 @@
-"""detector.models.layers: the GroupNorm the conv models share."""
+"""detector.models.layers: the GroupNorm the conv models share and the ReLU that keeps less for its gradient."""
 
 from __future__ import annotations
 
@@ -55,3 +55,36 @@ def test_group_norm_gradient_is_the_exact_ones():
     ours = jax.grad(lambda v: jnp.sum(module.apply(variables, v) * weights))(x)
     reference = jax.grad(lambda v: jnp.sum(plain.apply({"params": params}, v) * weights))(x)
     np.testing.assert_allclose(np.asarray(ours), np.asarray(reference), atol=1e-5)
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+@pytest.mark.parametrize("width", [16, 13])  # 13: the packed sign bits need padding
+def test_relu_values_and_gradient_are_jax_relus_bit_for_bit(width, dtype):
+    x = jax.random.normal(jax.random.key(0), (3, 5, width)).astype(dtype)
+    x = x.at[0, 0].set(0.0).at[0, 1, 0].set(jnp.nan)  # the kink and a NaN take jax.nn.relu's side
+    g = jax.random.normal(jax.random.key(1), x.shape).astype(dtype)
+    ours, ours_vjp = jax.vjp(layers.relu, x)
+    theirs, theirs_vjp = jax.vjp(jax.nn.relu, x)
+    np.testing.assert_array_equal(np.asarray(ours, np.float32), np.asarray(theirs, np.float32))
+    np.testing.assert_array_equal(np.asarray(ours_vjp(g)[0], np.float32), np.asarray(theirs_vjp(g)[0], np.float32))
+
+
+def test_relu_frees_its_input_after_the_forward_pass():
+    """A stack of FFNs keeps one hidden-sized buffer per layer for the backward pass, not two.
+
+    Measured with 4 layers (a hidden activation is 8 MiB): 74.5 MiB of temporaries with
+    jax.nn.relu, 50 MiB with ours.
+    """
+
+    def temp_bytes(activation, layers=4):
+        def loss(weights, x):
+            for w1, w2 in weights:
+                x = jnp.tanh(x + activation(x @ w1) @ w2)
+            return jnp.sum(x**2)
+
+        weights = [(jnp.full((64, 1024), 0.01), jnp.full((1024, 64), 0.01))] * layers
+        compiled = jax.jit(jax.grad(loss)).lower(weights, jnp.ones((2, 1024, 64))).compile()
+        return compiled.memory_analysis().temp_size_in_bytes
+
+    hidden = 2 * 1024 * 1024 * 4
+    assert temp_bytes(jax.nn.relu) - temp_bytes(layers.relu) >= 2.5 * hidden

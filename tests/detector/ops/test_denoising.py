@@ -7,14 +7,15 @@ import pytest
 
 from detector.ops import denoising
 
-G, M, N, C = 3, 4, 5, 7
+P, M, N, C = 6, 4, 5, 7  # pairs budget, box slots, matching queries, classes
 
 
 def gt(batch=2):
+    """Image 0: 3 real boxes in slots 0, 2, 3 (padding in the middle); image 1: one box in slot 0."""
     rng = np.random.default_rng(0)
     centres = rng.uniform(0.3, 0.7, (batch, M, 2))
     sizes = rng.uniform(0.05, 0.3, (batch, M, 2))
-    mask = np.array([[True, True, True, False], [True, False, False, False]])[:batch]
+    mask = np.array([[True, False, True, True], [True, False, False, False]])[:batch]
     labels = rng.integers(0, C, (batch, M))
     return np.concatenate([centres, sizes], -1).astype(np.float32), labels.astype(np.int32), mask
 
@@ -24,26 +25,71 @@ def corners(boxes_cxcywh):
     return np.concatenate([boxes[..., :2] - boxes[..., 2:] / 2, boxes[..., :2] + boxes[..., 2:] / 2], -1)
 
 
-def test_layout_and_noise_bounds_of_positive_and_negative_copies():
-    boxes, labels, mask = gt()
+def queries(rng=1, label_noise_ratio=0.0, pairs=P, **gt_kwargs):
+    boxes, labels, mask = gt(**gt_kwargs)
     out = denoising.contrastive_denoising_queries(
-        jax.random.key(1), boxes, labels, mask, num_groups=G, num_classes=C, label_noise_ratio=0.0
+        jax.random.key(rng),
+        boxes,
+        labels,
+        mask,
+        denoising_pairs=pairs,
+        num_classes=C,
+        label_noise_ratio=label_noise_ratio,
     )
-    d = denoising.num_denoising_queries(G, M)
-    assert out["labels"].shape == (2, d) and out["boxes_cxcywh"].shape == (2, d, 4)
-    np.testing.assert_array_equal(out["gt_index"][0], np.tile(np.arange(M), 2 * G))
-    np.testing.assert_array_equal(out["positive"][0], np.tile(np.repeat([True, False], M), G))
-    np.testing.assert_array_equal(out["valid"], mask[:, np.tile(np.arange(M), 2 * G)])
-    np.testing.assert_array_equal(out["labels"], labels[:, np.tile(np.arange(M), 2 * G)])  # no label noise
+    return boxes, labels, mask, {k: np.asarray(v) for k, v in out.items()}
 
-    source = corners(boxes)[:, np.tile(np.arange(M), 2 * G)]
-    half = np.concatenate([boxes[..., 2:], boxes[..., 2:]], -1)[:, np.tile(np.arange(M), 2 * G)] / 2
+
+def test_each_image_fills_the_budget_with_whole_groups_of_its_own_boxes():
+    boxes, labels, mask, out = queries()
+    d = denoising.num_denoising_queries(P, M)
+    assert d == 2 * max(P, M) == 12
+    assert out["labels"].shape == (2, d) and out["boxes_cxcywh"].shape == (2, d, 4)
+    # Image 0: 3 boxes, 6 // 3 = 2 groups of (3 positives, 3 negatives); image 1: 1 box, 6 groups.
+    np.testing.assert_array_equal(out["num_groups"], [2, 6])
+    np.testing.assert_array_equal(out["gt_index"][0], np.tile([0, 2, 3], 4))
+    np.testing.assert_array_equal(out["positive"][0], np.tile(np.repeat([True, False], 3), 2))
+    np.testing.assert_array_equal(out["group"][0], np.repeat([0, 1], 6))
+    np.testing.assert_array_equal(out["gt_index"][1], np.zeros(12))
+    np.testing.assert_array_equal(out["positive"][1], np.tile([True, False], 6))
+    np.testing.assert_array_equal(out["group"][1], np.repeat(np.arange(6), 2))
+    assert out["valid"].all()
+    np.testing.assert_array_equal(out["labels"], np.take_along_axis(labels, out["gt_index"], 1))  # no label noise
+
+    source = corners(np.take_along_axis(boxes, out["gt_index"][..., None], 1))
+    half = np.concatenate([boxes[..., 2:], boxes[..., 2:]], -1)
+    half = np.take_along_axis(half, out["gt_index"][..., None], 1) / 2
     moved = np.abs(corners(out["boxes_cxcywh"]) - source) / half
-    positive = np.asarray(out["positive"])
+    positive = out["positive"]
     assert np.all(moved[positive] < 1.0 + 1e-5)  # within one half size (clipping only shortens)
     clipped = np.isclose(corners(out["boxes_cxcywh"]), 0.0) | np.isclose(corners(out["boxes_cxcywh"]), 1.0)
     negative_moves = moved[~positive & ~clipped.any(-1)]
     assert negative_moves.size and np.all(negative_moves >= 1.0 - 1e-5) and np.all(negative_moves < 2.0 + 1e-5)
+
+
+def test_leftover_slots_and_images_without_boxes_are_invalid():
+    boxes, labels, mask = gt()
+    mask = np.array([[True, True, True, True], [False, False, False, False]])
+    out = denoising.contrastive_denoising_queries(
+        jax.random.key(1), boxes, labels, mask, denoising_pairs=5, num_classes=C
+    )
+    out = {k: np.asarray(v) for k, v in out.items()}
+    # 4 boxes in a budget of max(5, 4) = 5 pairs: one group, 2 of the 10 slots left over.
+    np.testing.assert_array_equal(out["num_groups"], [1, 0])
+    np.testing.assert_array_equal(out["valid"][0], np.arange(10) < 8)
+    np.testing.assert_array_equal(out["group"][0], np.where(np.arange(10) < 8, 0, -1))
+    assert not out["valid"][1].any() and np.all(out["group"][1] == -1)
+    # More boxes than pairs: the slots still hold one whole group.
+    assert denoising.num_denoising_queries(2, M) == 2 * M and denoising.num_denoising_queries(0, M) == 0
+
+
+def test_an_images_queries_do_not_depend_on_the_rest_of_its_batch():
+    *_, together = queries(rng=3)
+    boxes, labels, mask = gt()
+    alone = denoising.contrastive_denoising_queries(
+        jax.random.key(3), boxes[:1], labels[:1], mask[:1], denoising_pairs=P, num_classes=C
+    )
+    for key in ("gt_index", "positive", "valid", "group", "num_groups"):
+        np.testing.assert_array_equal(np.asarray(alone[key])[0], together[key][0])
 
 
 def test_labels_flip_at_half_the_noise_ratio():
@@ -53,7 +99,7 @@ def test_labels_flip_at_half_the_noise_ratio():
         np.tile(boxes, (256, 1, 1)),
         np.zeros((256, M), np.int32),
         np.tile(mask, (256, 1)),
-        num_groups=G,
+        denoising_pairs=P,
         num_classes=C,
         label_noise_ratio=0.5,
     )
@@ -73,23 +119,29 @@ def masked_attention(x, mask):
 
 def test_the_mask_leaks_nothing_between_groups_or_into_the_matching_queries():
     boxes, labels, mask = gt()
-    out = denoising.contrastive_denoising_queries(jax.random.key(4), boxes, labels, mask, num_groups=G, num_classes=C)
-    attention = denoising.denoising_attention_mask(G, M, N, out["valid"])
-    d = denoising.num_denoising_queries(G, M)
+    mask = mask.copy()
+    mask[1] = [True, True, True, True]  # image 1: one group of 4 boxes, 4 slots left over
+    out = denoising.contrastive_denoising_queries(
+        jax.random.key(4), boxes, labels, mask, denoising_pairs=P, num_classes=C
+    )
+    attention = denoising.denoising_attention_mask(out["group"], N)
+    d = denoising.num_denoising_queries(P, M)
+    assert attention.shape == (2, d + N, d + N)
     x = jax.random.normal(jax.random.key(5), (2, d + N, 16))
     base = masked_attention(x, attention)
-    group = np.concatenate([np.repeat(np.arange(G), 2 * M), np.full(N, -1)])
 
     # Changing every denoising query's input changes no matching query's output.
     changed = masked_attention(x.at[:, :d].add(5.0), attention)
     np.testing.assert_array_equal(changed[:, d:], base[:, d:])
     assert not np.allclose(changed[:, :d], base[:, :d])  # ... while the denoising outputs do change
 
-    # Changing group 0 changes no other group's output.
-    changed = masked_attention(x.at[:, group == 0].add(5.0), attention)
-    np.testing.assert_array_equal(changed[:, group != 0], base[:, group != 0])
+    # Changing group 0 of image 0 changes no other group's output.
+    group = np.concatenate([np.asarray(out["group"][0]), np.full(N, -2)])
+    changed = masked_attention(x.at[0, group == 0].add(5.0), attention)
+    np.testing.assert_array_equal(changed[0, group != 0], base[0, group != 0])
+    assert not np.allclose(changed[0, group == 0], base[0, group == 0])
 
-    # An invalid copy (of a padding slot) is seen by no other query.
+    # A leftover slot is seen by no other query.
     invalid = int(np.flatnonzero(~np.asarray(out["valid"][1]))[0])
     changed = masked_attention(x.at[1, invalid].add(5.0), attention)
     others = np.arange(d + N) != invalid

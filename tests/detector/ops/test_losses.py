@@ -203,13 +203,14 @@ def test_no_positives_is_finite():
     assert np.isfinite(float(total)) and float(total) > 0
 
 
-def _numpy_set_loss(logits, boxes, gt_labels, gt_boxes, query_to_gt, num_boxes, mask, alpha=0.25, gamma=2.0):
-    """DINO's set loss written out per query in numpy (float64)."""
+def _numpy_set_loss(logits, boxes, gt_labels, gt_boxes, query_to_gt, num_boxes, weight, alpha=0.25, gamma=2.0):
+    """DINO's set loss written out per query in numpy (float64), each query's terms times its weight."""
     logits, boxes, gt_boxes = (np.asarray(a, np.float64) for a in (logits, boxes, gt_boxes))
     cls = l1 = giou = 0.0
     for b in range(logits.shape[0]):
         for n in range(logits.shape[1]):
-            if not mask[b, n]:
+            w = float(weight[b, n])
+            if not w:
                 continue
             g = query_to_gt[b, n]
             target = np.zeros(logits.shape[-1])
@@ -218,9 +219,9 @@ def _numpy_set_loss(logits, boxes, gt_labels, gt_boxes, query_to_gt, num_boxes, 
             p = 1 / (1 + np.exp(-logits[b, n]))
             ce = -(target * np.log(p) + (1 - target) * np.log(1 - p))
             p_t = p * target + (1 - p) * (1 - target)
-            cls += np.sum((alpha * target + (1 - alpha) * (1 - target)) * (1 - p_t) ** gamma * ce)
+            cls += w * np.sum((alpha * target + (1 - alpha) * (1 - target)) * (1 - p_t) ** gamma * ce)
             if g >= 0:
-                l1 += np.abs(boxes[b, n] - gt_boxes[b, g]).sum()
+                l1 += w * np.abs(boxes[b, n] - gt_boxes[b, g]).sum()
 
                 def corners(box):
                     cx, cy, w, h = box
@@ -231,12 +232,13 @@ def _numpy_set_loss(logits, boxes, gt_labels, gt_boxes, query_to_gt, num_boxes, 
                 inter = max(0, min(ax1, bx1) - max(ax0, bx0)) * max(0, min(ay1, by1) - max(ay0, by0))
                 union = (ax1 - ax0) * (ay1 - ay0) + (bx1 - bx0) * (by1 - by0) - inter
                 hull = (max(ax1, bx1) - min(ax0, bx0)) * (max(ay1, by1) - min(ay0, by0))
-                giou += 1 - (inter / union - (hull - union) / hull)
+                giou += w * (1 - (inter / union - (hull - union) / hull))
     n = max(num_boxes, 1)
     return cls / n, 5 * l1 / n, 2 * giou / n
 
 
-def test_set_prediction_loss_matches_a_per_query_reference():
+@pytest.mark.parametrize("weighted", [False, True], ids=["mask", "weights"])
+def test_set_prediction_loss_matches_a_per_query_reference(weighted):
     rng = np.random.default_rng(0)
     b, n, m, c = 2, 6, 3, 4
     logits = rng.normal(size=(b, n, c)).astype(np.float32)
@@ -247,6 +249,8 @@ def test_set_prediction_loss_matches_a_per_query_reference():
     mask = np.ones((b, n), bool)
     mask[1, 5] = False  # e.g. an invalid denoising copy
     boxes[1, 5] = np.nan  # ... whose box must not reach the loss
+    if weighted:  # e.g. denoising queries of an image with 4 groups: 1/4 each
+        mask = np.where(mask, rng.choice([0.25, 0.5, 1.0], (b, n)), 0.0).astype(np.float32)
     total, terms = losses.set_prediction_loss(
         logits,
         boxes.astype(np.float32),
@@ -254,7 +258,7 @@ def test_set_prediction_loss_matches_a_per_query_reference():
         gt_boxes.astype(np.float32),
         query_to_gt,
         num_boxes=4,
-        query_mask=mask,
+        query_weight=mask,
     )
     expected = _numpy_set_loss(logits, boxes, gt_labels, gt_boxes, query_to_gt, 4, mask)
     for key, value in zip(("cls_loss", "l1_loss", "giou_loss"), expected):
