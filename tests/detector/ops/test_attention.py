@@ -56,6 +56,16 @@ def test_masked_keys_get_no_gradient_and_bfloat16_stays_bfloat16():
     assert grads16.dtype == jnp.bfloat16
 
 
+def test_a_fully_masked_row_attends_to_nothing():
+    q, k, v, mask = inputs(np.float32)
+    mask[0, 2] = False
+    out, vjp = jax.vjp(lambda q, k, v: dot_product_attention(q, k, v, mask), q, k, v)
+    assert np.all(np.asarray(out)[0, 2] == 0) and np.all(np.asarray(out)[0, :2] != 0)
+    q_grad, k_grad, v_grad = vjp(jnp.ones_like(out))
+    assert np.all(np.asarray(q_grad)[0, 2] == 0)
+    assert all(np.all(np.isfinite(np.asarray(g))) for g in (q_grad, k_grad, v_grad))
+
+
 def stacked_temp_bytes(attention, layers=6, tokens=512, heads=4, head_dim=16):
     """Temporaries of the compiled gradient of `layers` attention layers in a row."""
     width = heads * head_dim
@@ -76,8 +86,11 @@ def test_the_gradient_keeps_fewer_quadratic_buffers_than_the_plain_form():
     """The plain form keeps several [B, H, T, T] arrays per layer for the backward pass; ours recomputes them.
 
     Measured with 6 layers of 512 tokens (one [B, H, T, T] float32 array is 8 MiB here): the
-    plain form's temporaries are 157 MiB, ours 69 MiB.
+    plain form's temporaries are 157 MiB, ours 31 MiB, one layer's backward pass at a time. Had
+    XLA merged the recomputed logits with the forward pass's (as it does when they are
+    recomputed from the same inputs), ours would keep one [B, H, T, T] array per layer.
     """
     ours = stacked_temp_bytes(dot_product_attention)
     plain = stacked_temp_bytes(reference)
-    assert ours < 0.6 * plain, (ours, plain)
+    quadratic = 2 * 4 * 512 * 512 * 4
+    assert ours < 5 * quadratic < plain, (ours, plain)
