@@ -18,15 +18,15 @@ import jax
 import jax.numpy as jnp
 
 
-def _accumulation_dtype(x):
-    """float32 at least (float64 stays float64, for gradient checks)."""
-    return jnp.promote_types(jnp.float32, x.dtype)
+def accumulation_dtype(*arrays):
+    """What the attention ops accumulate in: float32 at least (float64 stays float64, for gradient checks)."""
+    return jnp.promote_types(jnp.float32, jnp.result_type(*arrays))
 
 
 def _logits(q, k, mask):
     """`[B, H, Tq, Tk]` scaled logits in the accumulation dtype, masked entries -inf."""
     scale = q.shape[-1] ** -0.5
-    logits = jnp.einsum("bqhd,bkhd->bhqk", q, k, preferred_element_type=_accumulation_dtype(q)) * scale
+    logits = jnp.einsum("bqhd,bkhd->bhqk", q, k, preferred_element_type=accumulation_dtype(q)) * scale
     return jnp.where(mask[:, None], logits, -jnp.inf)
 
 

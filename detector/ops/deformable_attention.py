@@ -23,6 +23,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from detector.ops.attention import accumulation_dtype
+
 # `method="auto"` uses the sampling matrix up to this many value positions (all
 # levels together), where its matmul and scalar scatter beat the row gathers:
 # measured forward + backward on a 2-core CPU with Q = S, 2x faster at S = 340
@@ -104,7 +106,7 @@ def multi_scale_deformable_attention(
 
     if method == "gather" or (method == "auto" and num_values > DENSE_MAX_POSITIONS):
         return _gather_attention(spatial_shapes, value, sampling_locations, attention_weights)
-    compute_dtype = _compute_dtype(value, sampling_locations, attention_weights)
+    compute_dtype = accumulation_dtype(value, sampling_locations, attention_weights)
 
     # The sampling matrix: batch and heads stay scatter batch axes (so a heads
     # sharding splits the scatter without communication); within one, a single
@@ -120,11 +122,6 @@ def multi_scale_deformable_attention(
     matrix = jax.vmap(jax.vmap(head_matrix))(indices, weights)  # [B, H, Q, S]
     out = jnp.einsum("bhqs,bhsd->bhqd", matrix, jnp.transpose(value, (0, 2, 1, 3)).astype(compute_dtype))
     return _heads_last(out).astype(value.dtype)
-
-
-def _compute_dtype(*arrays):
-    """float32 at least (float64 stays float64, for gradient checks)."""
-    return jnp.promote_types(jnp.float32, jnp.result_type(*arrays))
 
 
 def _heads_last(out_bhqd):
@@ -201,7 +198,7 @@ def _gather_attention(spatial_shapes, value, sampling_locations, attention_weigh
 
 
 def _gather_attention_forward(spatial_shapes, value, sampling_locations, attention_weights):
-    compute_dtype = _compute_dtype(value, sampling_locations, attention_weights)
+    compute_dtype = accumulation_dtype(value, sampling_locations, attention_weights)
     indices, weights = _corners(spatial_shapes, sampling_locations, attention_weights, compute_dtype)
     value_bhsd = jnp.transpose(value, (0, 2, 1, 3))
 
@@ -221,7 +218,7 @@ def _gather_attention_forward(spatial_shapes, value, sampling_locations, attenti
 
 def _gather_attention_backward(spatial_shapes, residuals, out_grad):
     value, sampling_locations, attention_weights = residuals
-    compute_dtype = _compute_dtype(value, sampling_locations, attention_weights)
+    compute_dtype = accumulation_dtype(value, sampling_locations, attention_weights)
     batch, num_values, heads, head_dim = value.shape
     # The corners are recomputed from locations and weights that depend on the
     # gradient: from the inputs themselves, XLA would merge them with the
