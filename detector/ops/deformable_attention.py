@@ -32,9 +32,6 @@ from detector.ops.attention import accumulation_dtype
 # (and held a quarter of the memory); larger maps gather.
 DENSE_MAX_POSITIONS = 512
 METHODS = ("auto", "gather", "matrix")
-# The gather form works through the samples this many at a time (one point's four
-# bilinear neighbours), so no pass holds more than [B, H, Q, 4, Dh] gathered rows.
-SAMPLES_PER_CHUNK = 4
 
 
 def multi_scale_deformable_attention(
@@ -70,14 +67,15 @@ def multi_scale_deformable_attention(
     values travel in ``value``'s dtype, so bf16 values halve the bytes read
     without losing the sum's precision.
 
-    Cost: gathers of ``B * H * Q * L * P * 4`` rows of Dh channels from
+    Cost: gathers of ``B * Q * H * L * P * 4`` rows of Dh channels from
     ``value`` (batched over batch and heads, so heads stay a separate axis and a
     ``heads`` sharding splits them without communication), a multiply and a
-    sum, taken one point's four neighbours at a time; the backward pass
+    sum, taken one point's four neighbours at a time in the inputs' own
+    ``[B, Q, H, ...]`` layout (nothing is transposed); the backward pass
     gathers the same rows again (for the weights' gradients) and scatter-adds
     into the value maps' gradient. A custom VJP keeps only the inputs for the
     backward pass, never the gathered rows, so no pass holds more than
-    ``[B, H, Q, 4, Dh]`` of them: for encoder self-attention, where Q = S, the
+    ``[B, Q, H, 4, Dh]`` of them: for encoder self-attention, where Q = S, the
     rows of all samples would be ``L * P`` times that. Plain XLA ops, usable
     under ``jit``, ``vmap`` and ``grad``, static shapes throughout; a fused
     kernel with the same signature can replace it.
@@ -130,66 +128,123 @@ def _heads_last(out_bhqd):
     return jnp.transpose(out_bhqd, (0, 2, 1, 3)).reshape(batch, queries, heads * head_dim)
 
 
-def _corners(spatial_shapes, sampling_locations, attention_weights, compute_dtype):
-    """The four bilinear neighbours of every sampling point: (indices, weights), each `[B, H, Q, K]`.
+def _bilinear_corners(x_normalised, y_normalised, attention, height, width, start):
+    """The four bilinear neighbours of sampling points: (indices, weights), each the inputs' shape + `[4]`.
 
-    K = L * P * 4, ordered (level, point, corner). `indices` (int32) are rows of
-    the flattened value maps, always in bounds; `weights` are the bilinear
-    weight times the attention weight, 0 for a neighbour outside its map. A
-    differentiable function of the locations and attention weights (the
-    floors carry no gradient), so the gather's backward pass gets their
-    gradients from its `jax.vjp`.
+    `x_normalised`, `y_normalised`, `attention` are float arrays of one shape;
+    `height`, `width` (float) and `start` (int32, the level's first row in the
+    flattened maps) broadcast against them. `indices` (int32) are rows of the
+    flattened value maps, always in bounds; `weights` the bilinear weight
+    times the attention weight, 0 for a neighbour outside its map. A
+    differentiable function of locations and attention (the floors carry no
+    gradient), so the backward passes get those gradients from its `jax.vjp`.
     """
-    batch, num_queries, num_heads = sampling_locations.shape[:3]
-    # Per-level constants broadcast against [..., L, P]: the levels differ only in
-    # size and offset, so one vectorised pass (and one gather) covers them all.
-    heights = jnp.asarray(np.array([h for h, _ in spatial_shapes], np.float32)[:, None])
-    widths = jnp.asarray(np.array([w for _, w in spatial_shapes], np.float32)[:, None])
-    starts = np.concatenate([[0], np.cumsum([h * w for h, w in spatial_shapes])[:-1]])
-    starts = jnp.asarray(starts.astype(np.int32)[:, None])
-    widths_int = jnp.asarray(np.array([w for _, w in spatial_shapes], np.int32)[:, None])
-
-    # [B, H, Q, L, P] from here on: heads next to batch, as in the gathers.
-    loc = jnp.transpose(sampling_locations.astype(compute_dtype), (0, 2, 1, 3, 4, 5))
-    attn = jnp.transpose(attention_weights.astype(compute_dtype), (0, 2, 1, 3, 4))
     # align_corners=False: pixel i covers [i, i + 1) after scaling, its centre at i + 0.5.
-    x = loc[..., 0] * widths - 0.5
-    y = loc[..., 1] * heights - 0.5
+    x = x_normalised * width - 0.5
+    y = y_normalised * height - 0.5
     x0 = jnp.floor(x)
     y0 = jnp.floor(y)
     # floor() has zero gradient, so the location gradient flows through these fractions only.
     fx = x - x0
     fy = y - y0
-
+    width_int = width.astype(jnp.int32)
     indices, weights = [], []
     for dy, wy in ((0, 1.0 - fy), (1, fy)):
         for dx, wx in ((0, 1.0 - fx), (1, fx)):
             xi = x0 + dx
             yi = y0 + dy
             # Decided in float before the int cast, so far-away points cannot overflow int32.
-            inside = (xi >= 0) & (xi <= widths - 1) & (yi >= 0) & (yi <= heights - 1)
+            inside = (xi >= 0) & (xi <= width - 1) & (yi >= 0) & (yi <= height - 1)
             # Outside neighbours read some valid row and are weighted 0: padding without padding.
-            xi = jnp.clip(xi, 0, widths - 1).astype(jnp.int32)
-            yi = jnp.clip(yi, 0, heights - 1).astype(jnp.int32)
-            indices.append(starts + yi * widths_int + xi)
-            weights.append(jnp.where(inside, wy * wx * attn, 0.0))
-    indices = jnp.stack(indices, axis=-1).reshape(batch, num_heads, num_queries, -1)
-    weights = jnp.stack(weights, axis=-1).reshape(batch, num_heads, num_queries, -1)
-    return indices, weights
+            xi = jnp.clip(xi, 0, width - 1).astype(jnp.int32)
+            yi = jnp.clip(yi, 0, height - 1).astype(jnp.int32)
+            indices.append(start + yi * width_int + xi)
+            weights.append(jnp.where(inside, wy * wx * attention, 0.0))
+    return jnp.stack(indices, axis=-1), jnp.stack(weights, axis=-1)
 
 
-def _chunks(x):
-    """`[B, H, Q, K]` -> `[K / SAMPLES_PER_CHUNK, B, H, Q, SAMPLES_PER_CHUNK]`, the scans' sequence axis first."""
-    *lead, k = x.shape
-    return jnp.moveaxis(x.reshape(*lead, k // SAMPLES_PER_CHUNK, SAMPLES_PER_CHUNK), -2, 0)
+def _level_constants(spatial_shapes, repeats: int = 1):
+    """Per level (each repeated `repeats` times): heights and widths (float32) and first rows (int32), numpy."""
+    heights = np.repeat(np.array([h for h, _ in spatial_shapes], np.float32), repeats)
+    widths = np.repeat(np.array([w for _, w in spatial_shapes], np.float32), repeats)
+    starts = np.concatenate([[0], np.cumsum([h * w for h, w in spatial_shapes])[:-1]]).astype(np.int32)
+    return heights, widths, np.repeat(starts, repeats)
 
 
-def _gathered(value_bhsd, indices):
-    """Rows of `value_bhsd [B, H, S, Dh]` at `indices [B, H, Q, k]`: `[B, H, Q, k, Dh]`."""
-    batch, heads, queries, k = indices.shape
-    # Indices are in bounds by construction; promising so skips XLA's own clamping.
-    rows = jnp.take_along_axis(value_bhsd, indices.reshape(batch, heads, -1, 1), axis=2, mode="promise_in_bounds")
-    return rows.reshape(batch, heads, queries, k, -1)
+def _corners(spatial_shapes, sampling_locations, attention_weights, compute_dtype):
+    """Every sampling point's four bilinear neighbours, heads next to batch: (indices, weights), each `[B, H, Q, K]`.
+
+    K = L * P * 4, ordered (level, point, corner). For the sampling matrix.
+    """
+    batch, num_queries, num_heads = sampling_locations.shape[:3]
+    heights, widths, starts = (jnp.asarray(c[:, None]) for c in _level_constants(spatial_shapes))
+    loc = jnp.transpose(sampling_locations.astype(compute_dtype), (0, 2, 1, 3, 4, 5))
+    attn = jnp.transpose(attention_weights.astype(compute_dtype), (0, 2, 1, 3, 4))
+    indices, weights = _bilinear_corners(loc[..., 0], loc[..., 1], attn, heights, widths, starts)
+    return indices.reshape(batch, num_heads, num_queries, -1), weights.reshape(batch, num_heads, num_queries, -1)
+
+
+# Rows of `value [B, S, H, Dh]` at `indices [B, Q, H, k, 1]`, batched over images and
+# heads (so a heads or batch sharding splits gather and scatter without communication):
+# `[B, Q, H, k, Dh]`, already in the output's and the gradient's layout.
+_ROWS = dict(
+    offset_dims=(4,),
+    collapsed_slice_dims=(1,),
+    start_index_map=(1,),
+    operand_batching_dims=(0, 2),
+    start_indices_batching_dims=(0, 2),
+)
+_ROW_UPDATES = dict(
+    update_window_dims=(4,),
+    inserted_window_dims=(1,),
+    scatter_dims_to_operand_dims=(1,),
+    operand_batching_dims=(0, 2),
+    scatter_indices_batching_dims=(0, 2),
+)
+
+
+def _gathered(value, indices):
+    """Rows of `value [B, S, H, Dh]` at `indices [B, Q, H, k]`, within each image and head: `[B, Q, H, k, Dh]`."""
+    return jax.lax.gather(
+        value,
+        indices[..., None],
+        jax.lax.GatherDimensionNumbers(**_ROWS),
+        slice_sizes=(1, 1, 1, value.shape[-1]),
+        # In bounds by construction; promising so skips XLA's own clamping.
+        mode=jax.lax.GatherScatterMode.PROMISE_IN_BOUNDS,
+    )
+
+
+def _scattered(value_grad, indices, updates):
+    """`value_grad [B, S, H, Dh]` plus `updates [B, Q, H, k, Dh]` added at rows `indices [B, Q, H, k]`."""
+    return jax.lax.scatter_add(
+        value_grad,
+        indices[..., None],
+        updates,
+        jax.lax.ScatterDimensionNumbers(**_ROW_UPDATES),
+        mode=jax.lax.GatherScatterMode.PROMISE_IN_BOUNDS,
+    )
+
+
+def _flat_points(sampling_locations, attention_weights):
+    """`[B, Q, H, L, P, 2]`, `[B, Q, H, L, P]` -> `[B, Q, H, L * P, 2]`, `[B, Q, H, L * P]` (views)."""
+    batch, queries, heads, levels, points, _ = sampling_locations.shape
+    flat = (batch, queries, heads, levels * points)
+    return sampling_locations.reshape(*flat, 2), attention_weights.reshape(flat)
+
+
+def _point_inputs(locations, attention, levels, point, compute_dtype):
+    """Sampling point `point` of every query and head: `(x, y) [B, Q, H, 2]`, attention `[B, Q, H]`, its level.
+
+    `locations`, `attention` as `_flat_points` gives them; `levels` the
+    per-point `_level_constants`; `point` (traced) counts (level, point)
+    pairs. The loops below walk the points in the inputs' own layout, one
+    point (four neighbours) at a time, so nothing is transposed and no pass
+    holds more than `[B, Q, H, 4, Dh]` gathered rows.
+    """
+    loc = jax.lax.dynamic_index_in_dim(locations, point, axis=3, keepdims=False).astype(compute_dtype)
+    attn = jax.lax.dynamic_index_in_dim(attention, point, axis=3, keepdims=False).astype(compute_dtype)
+    return loc, attn, tuple(jnp.asarray(constant)[point] for constant in levels)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
@@ -199,60 +254,70 @@ def _gather_attention(spatial_shapes, value, sampling_locations, attention_weigh
 
 def _gather_attention_forward(spatial_shapes, value, sampling_locations, attention_weights):
     compute_dtype = accumulation_dtype(value, sampling_locations, attention_weights)
-    indices, weights = _corners(spatial_shapes, sampling_locations, attention_weights, compute_dtype)
-    value_bhsd = jnp.transpose(value, (0, 2, 1, 3))
+    batch, num_queries, heads, levels, num_points, _ = sampling_locations.shape
+    locations, attention = _flat_points(sampling_locations, attention_weights)
+    levels_per_point = _level_constants(spatial_shapes, num_points)
 
-    def accumulate(out, chunk):
-        chunk_indices, chunk_weights = chunk
-        rows = _gathered(value_bhsd, chunk_indices).astype(compute_dtype)
-        for i in range(SAMPLES_PER_CHUNK):
-            out = out + rows[:, :, :, i] * chunk_weights[..., i, None]
-        return out, None
+    def accumulate(point, out):
+        loc, attn, level = _point_inputs(locations, attention, levels_per_point, point, compute_dtype)
+        indices, weights = _bilinear_corners(loc[..., 0], loc[..., 1], attn, *level)
+        rows = _gathered(value, indices).astype(compute_dtype)
+        for corner in range(4):
+            out = out + rows[:, :, :, corner] * weights[..., corner, None]
+        return out
 
-    batch, heads, queries, _ = indices.shape
-    out = jnp.zeros((batch, heads, queries, value.shape[-1]), compute_dtype)
-    out, _ = jax.lax.scan(accumulate, out, (_chunks(indices), _chunks(weights)))
+    out = jnp.zeros((batch, num_queries, heads, value.shape[-1]), compute_dtype)
+    out = jax.lax.fori_loop(0, levels * num_points, accumulate, out)
     # Only the inputs are kept for the backward pass, never per-sample rows.
-    return _heads_last(out).astype(value.dtype), (value, sampling_locations, attention_weights)
+    return out.reshape(batch, num_queries, -1).astype(value.dtype), (value, sampling_locations, attention_weights)
 
 
 def _gather_attention_backward(spatial_shapes, residuals, out_grad):
     value, sampling_locations, attention_weights = residuals
     compute_dtype = accumulation_dtype(value, sampling_locations, attention_weights)
-    batch, num_values, heads, head_dim = value.shape
+    batch, num_queries, heads, levels, num_points, _ = sampling_locations.shape
+    locations, attention = _flat_points(sampling_locations, attention_weights)
+    grad = out_grad.reshape(batch, num_queries, heads, -1).astype(compute_dtype)  # [B, Q, H, Dh]
     # The corners are recomputed from locations and weights that depend on the
-    # gradient: from the inputs themselves, XLA would merge them with the
-    # forward pass's corners and keep every layer's until the backward pass
-    # (XLA:CPU drops optimisation barriers). Float rules keep x * 0 unfolded;
-    # each query and head takes its own gradient's element, so a heads or
-    # tokens sharding needs no communication for it.
-    zero = out_grad.reshape(*out_grad.shape[:2], heads, head_dim)[..., :1] * 0  # [B, Q, H, 1]
-    sampling_locations = sampling_locations + zero[..., None, None].astype(sampling_locations.dtype)
-    attention_weights = attention_weights + zero[..., None].astype(attention_weights.dtype)
-    corners = lambda loc, attn: _corners(spatial_shapes, loc, attn, compute_dtype)[::-1]
-    weights, corners_vjp, indices = jax.vjp(corners, sampling_locations, attention_weights, has_aux=True)
-    value_bhsd = jnp.transpose(value, (0, 2, 1, 3))
-    grad_bhqd = jnp.transpose(out_grad.reshape(batch, -1, heads, head_dim).astype(compute_dtype), (0, 2, 1, 3))
-    queries = grad_bhqd.shape[2]
+    # gradient: from the inputs themselves, XLA may merge them with the forward
+    # pass's corners and keep every layer's until the backward pass (XLA:CPU
+    # drops optimisation barriers). Float rules keep x * 0 unfolded; each
+    # query and head takes its own gradient's element, so a heads or tokens
+    # sharding needs no communication for it.
+    zero = grad[..., :1] * 0  # [B, Q, H, 1]
+    levels_per_point = _level_constants(spatial_shapes, num_points)
 
-    def head_scatter(rows_grad, head_indices, head_updates):  # [S, Dh], [Q * k], [Q * k, Dh]
-        return rows_grad.at[head_indices].add(head_updates, mode="promise_in_bounds")
+    def accumulate(point, grads):
+        value_grad, locations_grad, attention_grad = grads
+        point_loc, point_attn, level = _point_inputs(locations, attention, levels_per_point, point, compute_dtype)
 
-    def accumulate(value_grad, chunk):
-        chunk_indices, chunk_weights = chunk
-        rows = _gathered(value_bhsd, chunk_indices).astype(compute_dtype)
-        # d out / d weight of a sample: the sampled row against the output's gradient.
-        weights_grad = jnp.sum(rows * grad_bhqd[:, :, :, None, :], axis=-1)
-        updates = (chunk_weights[..., None] * grad_bhqd[:, :, :, None, :]).reshape(batch, heads, -1, head_dim)
-        value_grad = jax.vmap(jax.vmap(head_scatter))(value_grad, chunk_indices.reshape(batch, heads, -1), updates)
-        return value_grad, weights_grad
+        def corners(loc, attn):
+            loc, attn = loc + zero, attn + zero[..., 0]
+            return _bilinear_corners(loc[..., 0], loc[..., 1], attn, *level)[::-1]
 
-    value_grad = jnp.zeros((batch, heads, num_values, head_dim), compute_dtype)
-    value_grad, weights_grad = jax.lax.scan(accumulate, value_grad, (_chunks(indices), _chunks(weights)))
-    weights_grad = jnp.moveaxis(weights_grad, 0, -2).reshape(batch, heads, queries, -1)
-    locations_grad, attention_weights_grad = corners_vjp(weights_grad)
-    value_grad = jnp.transpose(value_grad, (0, 2, 1, 3)).astype(value.dtype)
-    return value_grad, locations_grad, attention_weights_grad
+        weights, corners_vjp, indices = jax.vjp(corners, point_loc, point_attn, has_aux=True)
+        rows = _gathered(value, indices).astype(compute_dtype)  # [B, Q, H, 4, Dh]
+        # d out / d weight of a neighbour: its row against the output's gradient
+        # (a batched matrix-vector product; as a broadcast product and a sum,
+        # XLA:CPU wrote the gradient out four times over).
+        weights_grad = jnp.einsum("bqhcd,bqhd->bqhc", rows, grad)
+        value_grad = _scattered(value_grad, indices, weights[..., None] * grad[:, :, :, None, :])
+        point_loc_grad, point_attn_grad = corners_vjp(weights_grad)
+        locations_grad = jax.lax.dynamic_update_index_in_dim(locations_grad, point_loc_grad, point, axis=3)
+        attention_grad = jax.lax.dynamic_update_index_in_dim(attention_grad, point_attn_grad, point, axis=3)
+        return value_grad, locations_grad, attention_grad
+
+    grads = (
+        jnp.zeros(value.shape, compute_dtype),
+        jnp.zeros(locations.shape, compute_dtype),
+        jnp.zeros(attention.shape, compute_dtype),
+    )
+    value_grad, locations_grad, attention_grad = jax.lax.fori_loop(0, levels * num_points, accumulate, grads)
+    return (
+        value_grad.astype(value.dtype),
+        locations_grad.reshape(sampling_locations.shape).astype(sampling_locations.dtype),
+        attention_grad.reshape(attention_weights.shape).astype(attention_weights.dtype),
+    )
 
 
 _gather_attention.defvjp(_gather_attention_forward, _gather_attention_backward)
