@@ -23,15 +23,19 @@ def accumulation_dtype(*arrays):
     return jnp.promote_types(jnp.float32, jnp.result_type(*arrays))
 
 
-def _logits(q, k, mask):
-    """`[B, H, Tq, Tk]` scaled logits in the accumulation dtype, masked entries -inf."""
-    scale = q.shape[-1] ** -0.5
-    logits = jnp.einsum("bqhd,bkhd->bhqk", q, k, preferred_element_type=accumulation_dtype(q)) * scale
+def _scaled(q):
+    """`q / sqrt(Dh)`: the logits' scale applied to `[B, Tq, H, Dh]`, not to `[B, H, Tq, Tk]`."""
+    return q * jnp.asarray(q.shape[-1] ** -0.5, q.dtype)
+
+
+def _logits(q_scaled, k, mask):
+    """`[B, H, Tq, Tk]` logits of scaled queries in the accumulation dtype, masked entries -inf."""
+    logits = jnp.einsum("bqhd,bkhd->bhqk", q_scaled, k, preferred_element_type=accumulation_dtype(q_scaled))
     return jnp.where(mask[:, None], logits, -jnp.inf)
 
 
 def _forward(q, k, v, mask):
-    logits = _logits(q, k, mask)
+    logits = _logits(_scaled(q), k, mask)
     row_max = jnp.max(logits, axis=-1, keepdims=True)
     row_max = jnp.where(jnp.isfinite(row_max), row_max, 0.0)  # a fully masked row: all -inf
     unnormalised = jnp.exp(logits - row_max)
@@ -62,16 +66,16 @@ def _attention_backward(residuals, out_grad):
     # barriers. Float rules keep XLA from folding x * 0 (x may be NaN). Each
     # query and head takes its own gradient's element: no communication
     # under a heads or tokens sharding.
-    q_again = q + (out_grad[..., :1] * 0).astype(q.dtype)
-    weights = jnp.exp(_logits(q_again, k, mask) - log_sum_exp[..., None])
+    q_scaled = _scaled(q + (out_grad[..., :1] * 0).astype(q.dtype))
+    weights = jnp.exp(_logits(q_scaled, k, mask) - log_sum_exp[..., None])
     dtype = weights.dtype
     v_grad = jnp.einsum("bhqk,bqhd->bkhd", weights.astype(v.dtype), out_grad, preferred_element_type=dtype)
     weights_grad = jnp.einsum("bqhd,bkhd->bhqk", out_grad, v, preferred_element_type=dtype)
     # Softmax's gradient: w * (dw - sum_k w dw), the sum being the output's gradient against the output.
     row_dot = jnp.einsum("bqhd,bqhd->bhq", out_grad.astype(dtype), out.astype(dtype))
-    logits_grad = weights * (weights_grad - row_dot[..., None]) * q.shape[-1] ** -0.5
-    q_grad = jnp.einsum("bhqk,bkhd->bqhd", logits_grad, k.astype(dtype))
-    k_grad = jnp.einsum("bhqk,bqhd->bkhd", logits_grad, q.astype(dtype))
+    logits_grad = weights * (weights_grad - row_dot[..., None])
+    q_grad = _scaled(jnp.einsum("bhqk,bkhd->bqhd", logits_grad, k.astype(dtype)))
+    k_grad = jnp.einsum("bhqk,bqhd->bkhd", logits_grad, q_scaled.astype(dtype))
     return q_grad.astype(q.dtype), k_grad.astype(k.dtype), v_grad.astype(v.dtype), None
 
 
