@@ -9,6 +9,7 @@ names to mesh axes.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from typing import Any
 
@@ -64,6 +65,68 @@ def _relu_backward(bits, y_grad):
 
 
 relu.defvjp(_relu_forward, _relu_backward)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
+def normalize(x: jax.Array, scale: jax.Array, bias: jax.Array, epsilon: float) -> jax.Array:
+    """LayerNorm of `x [..., E]` over its last axis: `(x - mean) / sqrt(var + epsilon) * scale + bias`.
+
+    Statistics in float32 at least (float64 stays float64), two-pass variance,
+    the result in `x`'s dtype; `scale`, `bias`: `[E]`. The backward pass is
+    written out (the normalised input and one reciprocal deviation per row
+    kept): JAX's derivative of the same formula took XLA:CPU 2.4x as long
+    (DINO's encoder rows, forward + backward).
+    """
+    return _normalize_forward(x, scale, bias, epsilon)[0]
+
+
+def _normalize_forward(x, scale, bias, epsilon):
+    dtype = jnp.promote_types(jnp.float32, x.dtype)
+    centred = x.astype(dtype) - jnp.mean(x.astype(dtype), axis=-1, keepdims=True)
+    inverse_deviation = jax.lax.rsqrt(jnp.mean(jnp.square(centred), axis=-1, keepdims=True) + epsilon)
+    normalised = centred * inverse_deviation
+    out = (normalised * scale.astype(dtype) + bias.astype(dtype)).astype(x.dtype)
+    return out, (normalised, inverse_deviation, scale, bias)
+
+
+def _normalize_backward(epsilon, residuals, out_grad):
+    normalised, inverse_deviation, scale, bias = residuals
+    dtype = normalised.dtype
+    out_grad_wide = out_grad.astype(dtype)
+    rows = tuple(range(out_grad.ndim - 1))
+    normalised_grad = out_grad_wide * scale.astype(dtype)
+    # d/dx of (x - mean) * rsqrt(var): the gradient less its mean and its projection on the normalised row.
+    x_grad = inverse_deviation * (
+        normalised_grad
+        - jnp.mean(normalised_grad, axis=-1, keepdims=True)
+        - normalised * jnp.mean(normalised_grad * normalised, axis=-1, keepdims=True)
+    )
+    scale_grad = jnp.sum(out_grad_wide * normalised, axis=rows).astype(scale.dtype)
+    bias_grad = jnp.sum(out_grad_wide, axis=rows).astype(bias.dtype)
+    return x_grad.astype(out_grad.dtype), scale_grad, bias_grad
+
+
+normalize.defvjp(_normalize_forward, _normalize_backward)
+
+
+class LayerNorm(nn.Module):
+    """LayerNorm over the last axis (`normalize`), float32 parameters `scale` and `bias` named ('norm',).
+
+    The variance takes two passes, as PyTorch's: one pass cancels where the
+    mean dwarfs the spread (transformers' outlier channels), and a width split
+    over `model` then rounds differently enough to move training.
+    """
+
+    epsilon: float = 1e-6
+    dtype: Any = jnp.float32
+
+    @nn.compact
+    def __call__(self, x: jax.Array) -> jax.Array:
+        features = (x.shape[-1],)
+        scale = self.param("scale", nn.with_logical_partitioning(nn.initializers.ones, ("norm",)), features)
+        bias = self.param("bias", nn.with_logical_partitioning(nn.initializers.zeros, ("norm",)), features)
+        # Statistics from the input as it comes (float32 even where `dtype` is bf16).
+        return normalize(x, scale, bias, self.epsilon).astype(self.dtype)
 
 
 def conv(

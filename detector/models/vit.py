@@ -26,29 +26,16 @@ import jax
 import jax.numpy as jnp
 
 from detector.errors import ConfigError
-from detector.models.layers import conv, rematerialized
+from detector.models.layers import LayerNorm, conv, rematerialized
 
 TOKEN_GRID_AXES = ("batch", "height", "width", "act_embed")
 HEAD_AXES = ("batch", "tokens", "act_heads", "kv")
 MLP_AXES = ("batch", "tokens", "act_mlp")
 
 
-def layer_norm(dtype: Any, name: str, epsilon: float = 1e-6) -> nn.LayerNorm:
-    """LayerNorm over the last axis with float32 parameters named ('norm',).
-
-    The variance takes two passes, as PyTorch's: one pass cancels where the
-    mean dwarfs the spread (transformers' outlier channels), and a width split
-    over `model` then rounds differently enough to move training.
-    """
-    return nn.LayerNorm(
-        epsilon=epsilon,
-        use_fast_variance=False,
-        dtype=dtype,
-        param_dtype=jnp.float32,
-        scale_init=nn.with_logical_partitioning(nn.initializers.ones, ("norm",)),
-        bias_init=nn.with_logical_partitioning(nn.initializers.zeros, ("norm",)),
-        name=name,
-    )
+def layer_norm(dtype: Any, name: str, epsilon: float = 1e-6) -> LayerNorm:
+    """LayerNorm over the last axis with float32 parameters named ('norm',), computing in `dtype`."""
+    return LayerNorm(epsilon=epsilon, dtype=dtype, name=name)
 
 
 def _window_partition(x: jax.Array, window: int) -> tuple[jax.Array, tuple[int, int]]:

@@ -88,3 +88,44 @@ def test_relu_frees_its_input_after_the_forward_pass():
 
     hidden = 2 * 1024 * 1024 * 4
     assert temp_bytes(jax.nn.relu) - temp_bytes(layers.relu) >= 2.5 * hidden
+
+
+def _plain_layer_norm(x, scale, bias, epsilon):
+    """The textbook formula, differentiated by JAX."""
+    centred = x - jnp.mean(x, -1, keepdims=True)
+    return centred / jnp.sqrt(jnp.mean(centred**2, -1, keepdims=True) + epsilon) * scale + bias
+
+
+def test_normalize_values_and_gradients_are_the_formulas():
+    with jax.enable_x64():
+        rng = np.random.default_rng(0)
+        # Rows whose mean dwarfs their spread, and one constant row (zero variance).
+        x = rng.normal(size=(3, 5, 16)) * rng.uniform(0.01, 3, size=(3, 5, 1)) + rng.normal(size=(3, 5, 1)) * 50
+        x[0, 0] = 7.0
+        scale, bias = rng.normal(size=16), rng.normal(size=16)
+        out_grad = rng.normal(size=x.shape)
+
+        def loss(fn):
+            return lambda x, s, b: jnp.sum(fn(x, s, b, 1e-5) * out_grad)
+
+        np.testing.assert_allclose(
+            layers.normalize(x, scale, bias, 1e-5), _plain_layer_norm(x, scale, bias, 1e-5), rtol=1e-12, atol=1e-12
+        )
+        ours = jax.grad(loss(layers.normalize), argnums=(0, 1, 2))(x, scale, bias)
+        plain = jax.grad(loss(_plain_layer_norm), argnums=(0, 1, 2))(x, scale, bias)
+        for got, want in zip(ours, plain):
+            np.testing.assert_allclose(got, want, rtol=1e-9, atol=1e-9 * np.abs(want).max())
+
+
+def test_layer_norm_keeps_float32_statistics_for_bf16():
+    x = jnp.asarray(np.random.default_rng(1).normal(size=(4, 32)) + 300.0, jnp.float32)
+    norm = layers.LayerNorm(epsilon=1e-6, dtype=jnp.bfloat16)
+    params = norm.init(jax.random.key(0), x)
+    assert {k: v.value.dtype for k, v in params["params"].items()} == {"scale": jnp.float32, "bias": jnp.float32}
+    out = norm.apply(params, x)
+    assert out.dtype == jnp.bfloat16
+    # From the float32 input: a bf16 copy of x (spacing 2 at 300) would have lost the spread.
+    expected = _plain_layer_norm(x, 1.0, 0.0, 1e-6)
+    np.testing.assert_allclose(np.asarray(out, np.float32), expected, atol=2e-2)
+    grads = jax.grad(lambda x: jnp.sum(norm.apply(params, x).astype(jnp.float32) ** 2))(x)
+    assert grads.dtype == jnp.float32 and bool(jnp.all(jnp.isfinite(grads)))
