@@ -40,8 +40,9 @@ def _forward(q, k, v, mask):
     row_max = jnp.where(jnp.isfinite(row_max), row_max, 0.0)  # a fully masked row: all -inf
     unnormalised = jnp.exp(logits - row_max)
     row_sum = jnp.sum(unnormalised, axis=-1, keepdims=True)
-    weights = unnormalised / jnp.where(row_sum > 0, row_sum, 1.0)
-    out = jnp.einsum("bhqk,bkhd->bqhd", weights.astype(v.dtype), v)
+    # Normalised after the product, on [B, Tq, H, Dh] rather than [B, H, Tq, Tk]: one pass fewer over the weights.
+    out = jnp.einsum("bhqk,bkhd->bqhd", unnormalised.astype(v.dtype), v, preferred_element_type=row_sum.dtype)
+    out = (out / jnp.transpose(jnp.where(row_sum > 0, row_sum, 1.0), (0, 2, 1, 3))).astype(v.dtype)
     # What the backward pass subtracts: one number per row (+inf for a fully masked one, whose weights are 0).
     log_sum_exp = jnp.where(row_sum > 0, row_max + jnp.log(row_sum), jnp.inf)[..., 0]
     return out, log_sum_exp
