@@ -14,7 +14,11 @@ shipped recipe:
   * RetinaNet ResNet-50-FPN (configs/retinanet_r50_coco.py) at 800x800 px;
   * ViTDet-B RetinaNet (configs/vitdet_b_coco.py) at 1024x1024 px;
   * DINO-4scale ResNet-50 (configs/dino_r50_coco.py) at 800x800 px: 900
-    queries, 2 denoising groups of 100 boxes, matching on the device.
+    queries, DINO's denoising budget of 100 positive-negative pairs per
+    image (200 more query slots), matching on the device, with the recipe's
+    lean step: recomputing attention softmax, gather deformable attention
+    keeping only its inputs, ReLUs keeping sign bits, model.remat=none
+    (per-layer remat buys the R50 DINO no memory: docs/performance.md).
 
 For each, the per-device batch starts at --start_batch and doubles while the
 compiled step fits: XLA's memory accounting of the step (per-device total)
