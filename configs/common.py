@@ -255,8 +255,11 @@ def base_config() -> ml_collections.ConfigDict:
     config.loss.box_loss_weight = 1.0
     config.loss.box_coder_weights = (1.0, 1.0, 1.0, 1.0)
     # DINO's set losses (focal_alpha/gamma above are shared): the weights of
-    # the focal, L1 and GIoU terms on matched queries, and of the same three
-    # in the Hungarian matching cost.
+    # the class, L1 and GIoU terms on matched queries, and of the same three
+    # in the Hungarian matching cost (whose class cost stays focal). The class
+    # loss: "focal" (DINO's), "varifocal" (RT-DETR's: the positive's target
+    # is its box's IoU with the ground truth) or "mal" (DEIM's
+    # matchability-aware loss: target IoU**mal_gamma, weight 1).
     config.loss.set_prediction = ml_collections.ConfigDict(
         dict(
             class_weight=1.0,
@@ -265,6 +268,10 @@ def base_config() -> ml_collections.ConfigDict:
             match_class_weight=2.0,
             match_l1_weight=5.0,
             match_giou_weight=2.0,
+            class_loss="focal",
+            varifocal_alpha=0.75,
+            varifocal_gamma=2.0,
+            mal_gamma=1.5,
         )
     )
 

@@ -235,7 +235,19 @@ def _dino_objective(config, model: nn.Module, num_classes: int) -> Objective:
     image_size = tuple(config.input.image_size)
     pairs = dino.denoising_pairs
     focal = dict(focal_alpha=loss_config.focal_alpha, focal_gamma=loss_config.focal_gamma)
-    loss_weights = dict(class_weight=weights.class_weight, l1_weight=weights.l1_weight, giou_weight=weights.giou_weight)
+    if weights.class_loss not in losses.CLASS_LOSSES:
+        raise ConfigError(
+            f"loss.set_prediction.class_loss={weights.class_loss!r}; use one of {', '.join(losses.CLASS_LOSSES)}"
+        )
+    loss_weights = dict(
+        class_weight=weights.class_weight,
+        l1_weight=weights.l1_weight,
+        giou_weight=weights.giou_weight,
+        class_loss=weights.class_loss,
+        varifocal_alpha=weights.varifocal_alpha,
+        varifocal_gamma=weights.varifocal_gamma,
+        mal_gamma=weights.mal_gamma,
+    )
     match_weights = dict(
         class_weight=weights.match_class_weight,
         l1_weight=weights.match_l1_weight,

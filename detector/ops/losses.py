@@ -1,4 +1,4 @@
-"""Detection losses: sigmoid focal loss, smooth L1, and the RetinaNet loss."""
+"""Detection losses: focal, varifocal and matchability-aware class losses, smooth L1, RetinaNet and set losses."""
 
 from __future__ import annotations
 
@@ -44,6 +44,59 @@ def sigmoid_focal_loss(logits, targets, alpha: float = 0.25, gamma: float = 2.0)
         alpha_t = alpha * targets + (1.0 - alpha) * (1.0 - targets)
         loss = alpha_t * loss
     return loss
+
+
+def _weighted_bce(logits, soft_targets, weight):
+    """`weight * BCE(sigmoid(logits), soft_targets)` elementwise, from log-sigmoids (exact for large |logits|)."""
+    ce = -(soft_targets * jax.nn.log_sigmoid(logits) + (1.0 - soft_targets) * jax.nn.log_sigmoid(-logits))
+    return weight * ce
+
+
+def varifocal_loss(logits, targets, quality, alpha: float = 0.75, gamma: float = 2.0):
+    """Elementwise varifocal loss (Zhang et al. 2021, VarifocalNet; RT-DETR's and D-FINE's class loss).
+
+    A positive (``targets`` 1) is pulled towards its quality q, the IoU of
+    its box with the ground truth, and weighted by q; a negative towards 0,
+    weighted ``alpha * p**gamma`` as in the focal loss. Score and quality
+    are constants of the weights (no gradient through them), as in RT-DETR.
+
+    Args:
+        logits: float ``[..., C]`` raw scores.
+        targets: ``[..., C]`` 0/1 (one-hot) positives.
+        quality: float broadcastable to ``[..., C]`` (e.g. ``[..., 1]``), in [0, 1].
+        alpha, gamma: the negatives' weight and focusing exponent.
+
+    Returns:
+        float ``[..., C]`` per-element loss, not reduced.
+    """
+    logits = jnp.asarray(logits, jnp.float32)
+    targets = jnp.asarray(targets, jnp.float32)
+    score = jax.lax.stop_gradient(jax.nn.sigmoid(logits))
+    soft_targets = targets * jax.lax.stop_gradient(jnp.asarray(quality, jnp.float32))
+    weight = alpha * score**gamma * (1.0 - targets) + soft_targets
+    return _weighted_bce(logits, soft_targets, weight)
+
+
+def matchability_aware_loss(logits, targets, quality, gamma: float = 1.5, alpha: float = 1.0):
+    """Elementwise Matchability-Aware Loss (DEIM, Huang et al. 2025).
+
+    Like `varifocal_loss`, but a positive's target is ``q**gamma`` and its
+    weight 1, so a positive matched with a low IoU (as dense matching
+    brings many) still counts in full, with a lowered target; negatives are
+    weighted ``alpha * p**gamma`` (DEIM's default alpha: none, i.e. 1).
+
+    Args and returns as `varifocal_loss`.
+    """
+    logits = jnp.asarray(logits, jnp.float32)
+    targets = jnp.asarray(targets, jnp.float32)
+    score = jax.lax.stop_gradient(jax.nn.sigmoid(logits))
+    soft_targets = targets * jax.lax.stop_gradient(jnp.asarray(quality, jnp.float32)) ** gamma
+    weight = alpha * score**gamma * (1.0 - targets) + targets
+    return _weighted_bce(logits, soft_targets, weight)
+
+
+# The class losses `set_prediction_loss` takes.
+CLASS_LOSSES = ("focal", "varifocal", "mal")
 
 
 def huber_loss(pred, target, delta: float):
@@ -197,8 +250,12 @@ def set_prediction_loss(
     class_weight: float = 1.0,
     l1_weight: float = 5.0,
     giou_weight: float = 2.0,
+    class_loss: str = "focal",
+    varifocal_alpha: float = 0.75,
+    varifocal_gamma: float = 2.0,
+    mal_gamma: float = 1.5,
 ):
-    """DETR-family loss of one set of predictions given its assignment: focal class, L1 and GIoU box terms.
+    """DETR-family loss of one set of predictions given its assignment: class, L1 and GIoU box terms.
 
     What DINO computes for each decoder layer, the encoder proposals and the
     denoising groups: every query's sigmoid focal loss against the one-hot
@@ -218,6 +275,11 @@ def set_prediction_loss(
             removes it (invalid denoising copies); DINO weighs an image's G denoising groups 1 / G each.
         focal_alpha, focal_gamma: see `sigmoid_focal_loss`.
         class_weight, l1_weight, giou_weight: DINO's 1, 5 and 2 by default.
+        class_loss: "focal" (DINO's), or a quality-aware loss whose positive
+            target is the IoU of the query's box with its ground truth (no
+            gradient through it): "varifocal" (`varifocal_loss`, with
+            ``varifocal_alpha``, ``varifocal_gamma``) or "mal"
+            (`matchability_aware_loss`, with ``mal_gamma``).
 
     Returns:
         ``(total, terms)``: total = the weighted sum; terms ``cls_loss``, ``l1_loss``,
@@ -234,10 +296,21 @@ def set_prediction_loss(
     boxes = jnp.take_along_axis(jnp.asarray(gt_boxes_cxcywh, jnp.float32), index[..., None], axis=1)
     normalizer = jnp.maximum(jnp.asarray(num_boxes, jnp.float32), 1.0)
 
-    focal = sigmoid_focal_loss(pred_logits, targets, focal_alpha, focal_gamma)
-    cls_loss = jnp.sum(focal * keep[..., None]) / normalizer
+    pred_yxyx, gt_yxyx = box_ops.cxcywh_to_yxyx(pred_boxes), box_ops.cxcywh_to_yxyx(boxes)
+    if class_loss == "focal":
+        per_class = sigmoid_focal_loss(pred_logits, targets, focal_alpha, focal_gamma)
+    else:
+        # Unassigned queries' boxes may be anything; their targets are 0, so their quality is never read.
+        quality = jnp.where(assigned, box_ops.elementwise_iou(pred_yxyx, gt_yxyx), 0.0)[..., None]
+        if class_loss == "varifocal":
+            per_class = varifocal_loss(pred_logits, targets, quality, varifocal_alpha, varifocal_gamma)
+        elif class_loss == "mal":
+            per_class = matchability_aware_loss(pred_logits, targets, quality, mal_gamma)
+        else:
+            raise ValueError(f"class_loss={class_loss!r}; use one of {', '.join(CLASS_LOSSES)}")
+    cls_loss = jnp.sum(per_class * keep[..., None]) / normalizer
     l1 = jnp.sum(jnp.abs(pred_boxes - boxes), axis=-1)
-    giou = 1.0 - box_ops.generalized_iou(box_ops.cxcywh_to_yxyx(pred_boxes), box_ops.cxcywh_to_yxyx(boxes))
+    giou = 1.0 - box_ops.generalized_iou(pred_yxyx, gt_yxyx)
     # where, not a product: unassigned queries' boxes may be anything (0 * nan = nan).
     l1_loss = jnp.sum(jnp.where(assigned, l1 * keep, 0.0)) / normalizer
     giou_loss = jnp.sum(jnp.where(assigned, giou * keep, 0.0)) / normalizer

@@ -203,9 +203,21 @@ def test_no_positives_is_finite():
     assert np.isfinite(float(total)) and float(total) > 0
 
 
-def _numpy_set_loss(logits, boxes, gt_labels, gt_boxes, query_to_gt, num_boxes, weight, alpha=0.25, gamma=2.0):
-    """DINO's set loss written out per query in numpy (float64), each query's terms times its weight."""
+def _numpy_set_loss(
+    logits, boxes, gt_labels, gt_boxes, query_to_gt, num_boxes, weight, alpha=0.25, gamma=2.0, class_loss="focal"
+):
+    """DINO's set loss written out per query in numpy (float64), each query's terms times its weight.
+
+    Class losses from their papers: focal (Lin et al.), varifocal (VarifocalNet,
+    alpha 0.75, gamma 2: positives towards their IoU, weighted by it) and
+    DEIM's matchability-aware loss (gamma 1.5: positives towards IoU**1.5, weight 1).
+    """
     logits, boxes, gt_boxes = (np.asarray(a, np.float64) for a in (logits, boxes, gt_boxes))
+
+    def corners(box):
+        cx, cy, w, h = box
+        return cx - w / 2, cy - h / 2, cx + w / 2, cy + h / 2
+
     cls = l1 = giou = 0.0
     for b in range(logits.shape[0]):
         for n in range(logits.shape[1]):
@@ -214,25 +226,32 @@ def _numpy_set_loss(logits, boxes, gt_labels, gt_boxes, query_to_gt, num_boxes, 
                 continue
             g = query_to_gt[b, n]
             target = np.zeros(logits.shape[-1])
+            iou = 0.0
             if g >= 0:
                 target[gt_labels[b, g]] = 1.0
-            p = 1 / (1 + np.exp(-logits[b, n]))
-            ce = -(target * np.log(p) + (1 - target) * np.log(1 - p))
-            p_t = p * target + (1 - p) * (1 - target)
-            cls += w * np.sum((alpha * target + (1 - alpha) * (1 - target)) * (1 - p_t) ** gamma * ce)
-            if g >= 0:
-                l1 += w * np.abs(boxes[b, n] - gt_boxes[b, g]).sum()
-
-                def corners(box):
-                    cx, cy, w, h = box
-                    return cx - w / 2, cy - h / 2, cx + w / 2, cy + h / 2
-
                 ax0, ay0, ax1, ay1 = corners(boxes[b, n])
                 bx0, by0, bx1, by1 = corners(gt_boxes[b, g])
                 inter = max(0, min(ax1, bx1) - max(ax0, bx0)) * max(0, min(ay1, by1) - max(ay0, by0))
                 union = (ax1 - ax0) * (ay1 - ay0) + (bx1 - bx0) * (by1 - by0) - inter
                 hull = (max(ax1, bx1) - min(ax0, bx0)) * (max(ay1, by1) - min(ay0, by0))
-                giou += w * (1 - (inter / union - (hull - union) / hull))
+                iou = inter / union
+                l1 += w * np.abs(boxes[b, n] - gt_boxes[b, g]).sum()
+                giou += w * (1 - (iou - (hull - union) / hull))
+            p = 1 / (1 + np.exp(-logits[b, n]))
+
+            def bce(t):
+                return -(t * np.log(p) + (1 - t) * np.log(1 - p))
+
+            if class_loss == "focal":
+                p_t = p * target + (1 - p) * (1 - target)
+                per_class = (alpha * target + (1 - alpha) * (1 - target)) * (1 - p_t) ** gamma * bce(target)
+            elif class_loss == "varifocal":
+                soft = target * iou
+                per_class = np.where(target > 0, iou, 0.75 * p**2.0) * bce(soft)
+            else:
+                soft = target * iou**1.5
+                per_class = np.where(target > 0, 1.0, p**1.5) * bce(soft)
+            cls += w * per_class.sum()
     n = max(num_boxes, 1)
     return cls / n, 5 * l1 / n, 2 * giou / n
 
@@ -275,3 +294,57 @@ def test_set_prediction_loss_of_exact_boxes_is_classification_only():
     assert float(terms["l1_loss"]) == 0.0
     assert float(terms["giou_loss"]) == pytest.approx(0.0, abs=1e-6)
     assert float(terms["cls_loss"]) > 0
+
+
+@pytest.mark.parametrize("class_loss", ["varifocal", "mal"])
+def test_quality_aware_class_losses_match_their_papers(class_loss):
+    rng = np.random.default_rng(3)
+    b, n, m, c = 2, 7, 3, 5
+    logits = rng.normal(size=(b, n, c)).astype(np.float32) * 3
+    gt_boxes = np.concatenate([rng.uniform(0.3, 0.7, (b, m, 2)), rng.uniform(0.1, 0.4, (b, m, 2))], -1)
+    boxes = np.concatenate([rng.uniform(0.2, 0.8, (b, n, 2)), rng.uniform(0.05, 0.4, (b, n, 2))], -1)
+    query_to_gt = np.array([[0, -1, 1, 2, -1, -1, -1], [2, 1, -1, -1, 0, -1, -1]], np.int32)
+    boxes[0, 0] = gt_boxes[0, 0]  # a perfect box: quality 1
+    boxes[1, 0] = [0.05, 0.05, 0.02, 0.02]  # a matched box far from its ground truth: quality 0
+    gt_labels = rng.integers(0, c, (b, m)).astype(np.int32)
+    weight = rng.choice([0.5, 1.0], (b, n)).astype(np.float32)
+    args = (logits, boxes.astype(np.float32), gt_labels, gt_boxes.astype(np.float32), query_to_gt)
+    total, terms = losses.set_prediction_loss(*args, num_boxes=5, query_weight=weight, class_loss=class_loss)
+    expected = _numpy_set_loss(logits, boxes, gt_labels, gt_boxes, query_to_gt, 5, weight, class_loss=class_loss)
+    for key, value in zip(("cls_loss", "l1_loss", "giou_loss"), expected):
+        np.testing.assert_allclose(terms[key], value, rtol=1e-5, err_msg=key)
+    focal = losses.set_prediction_loss(*args, num_boxes=5, query_weight=weight)[1]["cls_loss"]
+    assert abs(float(focal) - float(terms["cls_loss"])) > 1e-3  # a different loss, not focal again
+
+    # The quality is a target, not a path: the class term sends no gradient to the boxes.
+    def cls_term(pred_boxes):
+        return losses.set_prediction_loss(
+            logits, pred_boxes, gt_labels, gt_boxes.astype(np.float32), query_to_gt, num_boxes=5, class_loss=class_loss
+        )[1]["cls_loss"]
+
+    assert not np.any(np.asarray(jax.grad(cls_term)(jnp.asarray(boxes, jnp.float32))))
+
+
+def test_quality_aware_losses_elementwise_edges():
+    logits = jnp.array([[-30.0, 0.0, 30.0]])
+    targets = jnp.array([[0.0, 1.0, 1.0]])
+    # A perfect positive with a confident score and a confident negative cost (almost) nothing.
+    for fn in (losses.varifocal_loss, losses.matchability_aware_loss):
+        out = np.asarray(fn(logits, targets, jnp.array([[1.0]])))
+        assert np.all(np.isfinite(out)) and out[0, 0] < 1e-12 and out[0, 2] < 1e-12
+        assert out[0, 1] == pytest.approx(np.log(2.0), rel=1e-6)  # p = 0.5 against target 1, weight 1
+    # Quality 0: varifocal drops the positive (weight 0), MAL pulls it towards 0 with weight 1.
+    zero = jnp.array([[0.0]])
+    assert float(losses.varifocal_loss(logits, targets, zero)[0, 1]) == 0.0
+    assert float(losses.matchability_aware_loss(logits, targets, zero)[0, 1]) == pytest.approx(np.log(2.0), rel=1e-6)
+
+
+def test_dino_rejects_an_unknown_class_loss():
+    from configs import dino_tiny
+    from detector.errors import ConfigError
+    from detector.models import families
+
+    config = dino_tiny.get_config()
+    config.loss.set_prediction.class_loss = "softmax"
+    with pytest.raises(ConfigError, match="class_loss='softmax'; use one of focal, varifocal, mal"):
+        families.objective(config, families.create_model(config, 3), 3)
