@@ -273,3 +273,22 @@ def test_with_resize_on_device_the_loss_sees_the_resampled_source_pixels(dino):
     np.testing.assert_allclose(got[0], want[0], rtol=1e-5)
     # Without the resample, the same bytes are a different image.
     assert abs(scalars(*dino.loss(dino.params, shipped, rng))[0] - want[0]) > 1e-3
+
+
+def test_dino_class_loss_option_reaches_every_set_loss(dino):
+    """A quality-aware class loss replaces the focal one in the decoder, encoder and denoising terms alike.
+
+    (One of them: both take the same path to `set_prediction_loss`, whose tests check each.)
+    """
+    config = dino_config()
+    config.loss.set_prediction.class_loss = "mal"
+    objective = families.objective(config, families.create_model(config, NUM_CLASSES), NUM_CLASSES)
+    batch, rng = make_batch(), jax.random.key(1)
+    _, focal_terms = scalars(*dino.loss(dino.params, batch, rng))
+    loss, terms = scalars(*jax.jit(objective.loss)(dino.params, batch, rng))
+    assert np.isfinite(loss) and loss > 0
+    # Box terms are the same; every part's class term moved.
+    np.testing.assert_allclose(terms["box_loss"], focal_terms["box_loss"], rtol=1e-5)
+    assert terms["cls_loss"] != pytest.approx(focal_terms["cls_loss"], rel=1e-3)
+    for part in ("encoder_loss", "denoising_loss"):
+        assert terms[part] != pytest.approx(focal_terms[part], rel=1e-3), part
