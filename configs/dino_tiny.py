@@ -8,6 +8,11 @@ a 64-wide transformer with 2 encoder and 3 decoder layers and 100 queries,
 AdamW at 2e-3 (1e-3 and a 32-wide transformer both reached less AP in the
 same time) for 600 steps, about the default config's wall time.
 
+Its class loss is DEIM's matchability-aware loss (`loss.set_prediction.
+class_loss="mal"`): `python -m benchmarks.ap_vs_time --configs=dino_tiny
+--override=loss.set_prediction.class_loss=X`, one sitting on a 2-core CPU,
+AP at step 600: focal (DINO's) 0.322, varifocal 0.401, mal 0.448.
+
 python -m detector.train --config=configs/dino_tiny.py --workdir=runs/dino_tiny
 """
 
@@ -28,6 +33,7 @@ def get_config() -> ml_collections.ConfigDict:
         num_queries=100,
         denoising_pairs=32,  # 64 query slots for the 16 box slots, as 2 groups were
     )
+    config.loss.set_prediction.class_loss = "mal"
     config.optimizer.learning_rate = 2e-3
     config.optimizer.weight_decay = 1e-4
     config.optimizer.grad_clip_norm = 0.1

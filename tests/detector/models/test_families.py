@@ -280,12 +280,16 @@ def test_dino_class_loss_option_reaches_every_set_loss(dino):
 
     (One of them: both take the same path to `set_prediction_loss`, whose tests check each.)
     """
-    config = dino_config()
-    config.loss.set_prediction.class_loss = "mal"
-    objective = families.objective(config, families.create_model(config, NUM_CLASSES), NUM_CLASSES)
     batch, rng = make_batch(), jax.random.key(1)
-    _, focal_terms = scalars(*dino.loss(dino.params, batch, rng))
-    loss, terms = scalars(*jax.jit(objective.loss)(dino.params, batch, rng))
+
+    def terms_with(class_loss):
+        config = dino_config()
+        config.loss.set_prediction.class_loss = class_loss
+        objective = families.objective(config, families.create_model(config, NUM_CLASSES), NUM_CLASSES)
+        return scalars(*jax.jit(objective.loss)(dino.params, batch, rng))
+
+    _, focal_terms = terms_with("focal")
+    loss, terms = terms_with("mal")
     assert np.isfinite(loss) and loss > 0
     # Box terms are the same; every part's class term moved.
     np.testing.assert_allclose(terms["box_loss"], focal_terms["box_loss"], rtol=1e-5)
