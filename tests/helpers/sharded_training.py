@@ -82,13 +82,24 @@ def train_on_mesh(config, mesh_shape, initial_params, batches, num_classes: int)
 # their discontinuous decisions are held fixed, with a margin: measured on a
 # 2-core AMD EPYC, a 2x2x2 mesh against one device differs by at most 3.8e-6
 # in a loss or gradient norm (DINO's: deformable sampling's gradient is
-# piecewise) and 1.5e-3 in a parameter's update, relative. Data parallelism
-# alone moves both 10-1000x less (it reorders batch sums only, model
-# parallelism every contraction), so the yardstick below cannot stand in for
-# these floors. A sharding bug (a gradient reduced over part of the batch,
-# the wrong shard of a parameter used) moves both by tens of percents.
+# piecewise) and 5e-3 in a parameter's update (sampling offsets aside,
+# below), relative. Data parallelism alone moves both 10-1000x less (it
+# reorders batch sums only, model parallelism every contraction), so the
+# yardstick below cannot stand in for these floors. A sharding bug (a
+# gradient reduced over part of the batch, the wrong shard of a parameter
+# used) moves both by tens of percents.
 METRIC_RTOL = 1e-4
 UPDATE_RTOL = 1e-2
+# Deformable attention's sampling offsets reach the loss through bilinear
+# interpolation, whose derivative in a sampling location jumps where the
+# location crosses a pixel edge: a rounding-level move of one location
+# changes that point's gradient by a finite amount, not a rounding-level one.
+# Measured the same on AMD and Intel CPUs: the tiny DINO's first encoder
+# layer's offsets differ by 3.6e-3 (focal class loss) and 1.3e-2 (DEIM's
+# matchability-aware loss) relative, where every other parameter stays under
+# 5e-3; a sharding bug moves them by tens of percents.
+PIECEWISE_UPDATE_RTOL = 5e-2
+PIECEWISE_GRADIENT_PARAMETERS = ("sampling_offsets",)
 # A parameter's update is read as new - initial, both float32: each of the
 # steps rounds it to the parameter's own spacing (6e-8 for a norm's scale of 1).
 UPDATE_ULPS = 4.0
@@ -158,7 +169,8 @@ def assert_same_training(
             if not deviation[name] <= allowed:  # `not <=`: a NaN fails
                 failures.append(f"{name}: {candidate.metrics[step - 1][key]} against {expected[key]}")
     for name, update in updates.items():
-        scale = UPDATE_RTOL * float(np.linalg.norm(update))
+        rtol = PIECEWISE_UPDATE_RTOL if any(part in name for part in PIECEWISE_GRADIENT_PARAMETERS) else UPDATE_RTOL
+        scale = rtol * float(np.linalg.norm(update))
         floor = UPDATE_ATOL_OF_MEDIAN * median_update_rms * np.sqrt(update.size)
         rounding = UPDATE_ULPS * float(np.linalg.norm(np.spacing(np.abs(reference.params[name]).astype(np.float32))))
         allowed = max(scale, floor) + rounding + NOISE_FACTOR * noise.get(name, 0.0)
