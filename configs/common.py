@@ -124,6 +124,8 @@ def dino_model(
     decoder_layers: int = 6,
     num_queries: int = 900,
     denoising_pairs: int = 100,
+    one_to_many_queries: int = 0,
+    one_to_many_repeats: int = 6,
 ) -> ml_collections.ConfigDict:
     """`config.model.dino`: the DINO-4scale transformer (Zhang et al. 2022), read when `model.name == "dino"`.
 
@@ -135,6 +137,10 @@ def dino_model(
     groups, at least one; 2 max(pairs, input.max_boxes) static query slots),
     labels flipped with probability label_noise_ratio / 2, box corners moved
     by up to box_noise_scale half sizes (negatives by 1-2x that). 0: off.
+    Hybrid one-to-many branch (H-DETR, Jia et al. 2023; training only): M =
+    one_to_many_queries more queries, seen by no other, matched one-to-one to
+    the ground truth repeated one_to_many_repeats times, so each box gets that
+    many positives (H-DETR's COCO recipe: 1500 queries, 6 repeats). 0: off.
     """
     return ml_collections.ConfigDict(
         dict(
@@ -148,6 +154,8 @@ def dino_model(
             max_level=6,
             num_queries=num_queries,
             denoising_pairs=denoising_pairs,
+            one_to_many_queries=one_to_many_queries,
+            one_to_many_repeats=one_to_many_repeats,
             label_noise_ratio=0.5,
             box_noise_scale=1.0,
         )
@@ -272,6 +280,9 @@ def base_config() -> ml_collections.ConfigDict:
             varifocal_alpha=0.75,
             varifocal_gamma=2.0,
             mal_gamma=1.5,
+            # The hybrid branch's loss (model.dino.one_to_many_queries), divided
+            # by the repeated boxes' count, times this (H-DETR's lambda).
+            one_to_many_weight=1.0,
         )
     )
 

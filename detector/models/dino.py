@@ -321,10 +321,31 @@ def _gather_queries(x: jax.Array, index: jax.Array) -> jax.Array:
     return jnp.take_along_axis(x, index.reshape(*index.shape, *([1] * (x.ndim - 2))), axis=1)
 
 
+def with_one_to_many_block(mask: jax.Array | None, batch: int, num_queries: int, num_one_to_many: int) -> jax.Array:
+    """The decoder's attention mask with M one-to-many queries appended: bool `[B, T + M, T + M]`.
+
+    `mask` is `[B, T, T]` over the T = `num_queries` queries before them
+    (denoising and matching ones; None: all see all). The one-to-many queries
+    see only each other and no one sees them, so the one-to-one queries are
+    computed exactly as without them (H-DETR's hybrid branch).
+    """
+    if mask is None:
+        mask = jnp.ones((batch, num_queries, num_queries), bool)
+    top = jnp.concatenate([mask, jnp.zeros((batch, num_queries, num_one_to_many), bool)], axis=2)
+    bottom = jnp.concatenate(
+        [
+            jnp.zeros((batch, num_one_to_many, num_queries), bool),
+            jnp.ones((batch, num_one_to_many, num_one_to_many), bool),
+        ],
+        axis=2,
+    )
+    return jnp.concatenate([top, bottom], axis=1)
+
+
 class Dino(nn.Module):
     """The DINO detector.
 
-    `__call__(images [B, H, W, 3], denoising=None)` returns float32 arrays:
+    `__call__(images [B, H, W, 3], denoising=None, one_to_many=False)` returns float32 arrays:
       logits `[K, B, N, C]` and boxes `[K, B, N, 4]` (normalised cxcywh) of the
         N matching queries after each of the K decoder layers;
       encoder_logits `[B, N, C]`, encoder_boxes `[B, N, 4]`: the selected
@@ -332,7 +353,14 @@ class Dino(nn.Module):
       with `denoising` (a dict of labels int32 `[B, D]`, boxes_cxcywh
       `[B, D, 4]` and attention_mask bool `[B, D + N, D + N]`, see
       `detector.ops.denoising`): denoising_logits `[K, B, D, C]` and
-      denoising_boxes `[K, B, D, 4]` too.
+      denoising_boxes `[K, B, D, 4]` too;
+      with `one_to_many` (training only, `num_one_to_many_queries` M > 0):
+        one_to_many_logits `[K, B, M, C]` and one_to_many_boxes `[K, B, M, 4]`
+        of H-DETR's hybrid branch: M more queries with their own learned
+        content, the encoder proposals ranked N+1 to N+M as references, the
+        same decoder and heads, seen by no other query (`with_one_to_many_block`).
+        Their parameters exist whether or not a call uses them, so prediction
+        and training share one parameter tree.
     """
 
     backbone: nn.Module  # images -> {level: features}
@@ -345,11 +373,17 @@ class Dino(nn.Module):
     num_decoder_layers: int = 6
     num_points: int = 4
     num_queries: int = 900
+    num_one_to_many_queries: int = 0
     remat: str = "none"
     dtype: Any = jnp.float32
 
     @nn.compact
-    def __call__(self, images: jax.Array, denoising: dict[str, jax.Array] | None = None) -> dict[str, jax.Array]:
+    def __call__(
+        self, images: jax.Array, denoising: dict[str, jax.Array] | None = None, one_to_many: bool = False
+    ) -> dict[str, jax.Array]:
+        if one_to_many and not self.num_one_to_many_queries:
+            raise ValueError("one_to_many=True needs num_one_to_many_queries > 0")
+        extra = self.num_one_to_many_queries if one_to_many else 0
         pyramid = self.neck(self.backbone(images))
         levels = sorted(pyramid)
         spatial_shapes = tuple((int(pyramid[level].shape[1]), int(pyramid[level].shape[2])) for level in levels)
@@ -402,15 +436,25 @@ class Dino(nn.Module):
             + jnp.asarray(proposals)[None]
         )
         scores = jnp.where(jnp.asarray(proposal_valid)[None], jnp.max(proposal_logits, axis=-1), -jnp.inf)
-        selected = select_proposals(scores, queries)  # [B, N]
-        encoder_logits = _gather_queries(proposal_logits, selected)
-        encoder_boxes_logit = _gather_queries(proposal_boxes, selected)
-        reference = jax.lax.stop_gradient(jax.nn.sigmoid(encoder_boxes_logit))
+        # [B, N + M], best first: the one-to-one queries take the first N either way.
+        selected = select_proposals(scores, queries + extra)
+        encoder_logits = _gather_queries(proposal_logits, selected[:, :queries])
+        selected_boxes_logit = _gather_queries(proposal_boxes, selected)
+        encoder_boxes_logit = selected_boxes_logit[:, :queries]
+        reference = jax.lax.stop_gradient(jax.nn.sigmoid(selected_boxes_logit))
 
         content = self.param(
             "query_content", nn.with_logical_partitioning(nn.initializers.normal(1.0), (None, "norm")), (queries, embed)
         )
-        content = jnp.broadcast_to(content.astype(self.dtype)[None], (batch, queries, embed))
+        if self.num_one_to_many_queries:
+            one_to_many_content = self.param(
+                "one_to_many_content",
+                nn.with_logical_partitioning(nn.initializers.normal(1.0), (None, "norm")),
+                (self.num_one_to_many_queries, embed),
+            )
+            if extra:
+                content = jnp.concatenate([content, one_to_many_content])
+        content = jnp.broadcast_to(content.astype(self.dtype)[None], (batch, queries + extra, embed))
         label_embedding = nn.Embed(
             self.num_classes,
             embed,
@@ -432,6 +476,8 @@ class Dino(nn.Module):
             mask = denoising["attention_mask"]
         elif self.is_initializing():
             label_embedding(jnp.zeros((1, 1), jnp.int32))  # its parameters exist whether or not training denoises
+        if extra:
+            mask = with_one_to_many_block(mask, batch, num_denoising + queries, extra)
 
         reference_head = PredictionMlp(embed, embed, 2, dtype=self.dtype, name="query_position_head")
         class_head = _class_head(self.num_classes, self.dtype, "class_head")
@@ -457,13 +503,17 @@ class Dino(nn.Module):
             previous_boxes = boxes
 
         logits, boxes = jnp.stack(all_logits), jnp.stack(all_boxes)
+        one_to_one = slice(num_denoising, num_denoising + queries)
         outputs = {
-            "logits": logits[:, :, num_denoising:],
-            "boxes": boxes[:, :, num_denoising:],
+            "logits": logits[:, :, one_to_one],
+            "boxes": boxes[:, :, one_to_one],
             "encoder_logits": encoder_logits,
             "encoder_boxes": jax.nn.sigmoid(encoder_boxes_logit),
         }
         if denoising is not None:
             outputs["denoising_logits"] = logits[:, :, :num_denoising]
             outputs["denoising_boxes"] = boxes[:, :, :num_denoising]
+        if extra:
+            outputs["one_to_many_logits"] = logits[:, :, num_denoising + queries :]
+            outputs["one_to_many_boxes"] = boxes[:, :, num_denoising + queries :]
         return outputs

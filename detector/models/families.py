@@ -104,11 +104,24 @@ def create_dino(config, num_classes: int) -> Dino:
         raise ConfigError(f"model.dino levels {dino.min_level}..{dino.max_level}; use e.g. 3..6 (4 scales)")
     height, width = config.input.image_size
     shapes = [(-(-height // 2**level), -(-width // 2**level)) for level in range(dino.min_level, dino.max_level + 1)]
-    selectable = int(encoder_proposals(shapes)[1].sum())
-    if dino.num_queries > selectable:
+    one_to_many, repeats = dino.one_to_many_queries, dino.one_to_many_repeats
+    for key, value in (("one_to_many_queries", one_to_many), ("one_to_many_repeats", repeats)):
+        if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+            raise ConfigError(f"model.dino.{key}={value!r}; use a whole number >= 0")
+    if one_to_many and one_to_many < repeats * config.input.max_boxes:
         raise ConfigError(
-            f"model.dino.num_queries={dino.num_queries}, but {height}x{width} inputs give only {selectable} "
-            f"encoder proposals on levels {dino.min_level}..{dino.max_level}; use fewer queries or larger images"
+            f"model.dino.one_to_many_queries={one_to_many} cannot take one_to_many_repeats={repeats} copies of "
+            f"input.max_boxes={config.input.max_boxes} boxes; use at least {repeats * config.input.max_boxes} "
+            "queries or fewer repeats"
+        )
+    if one_to_many and repeats < 1:
+        raise ConfigError("model.dino.one_to_many_repeats=0 with one_to_many_queries > 0; use at least 1 (H-DETR: 6)")
+    selectable = int(encoder_proposals(shapes)[1].sum())
+    if dino.num_queries + one_to_many > selectable:
+        raise ConfigError(
+            f"model.dino.num_queries={dino.num_queries} + one_to_many_queries={one_to_many}, but {height}x{width} "
+            f"inputs give only {selectable} encoder proposals on levels {dino.min_level}..{dino.max_level}; "
+            "use fewer queries or larger images"
         )
     backbone = retinanet.create_backbone(model_config, dtype)
     levels = dict(min_level=dino.min_level, max_level=dino.max_level, dtype=dtype)
@@ -127,6 +140,7 @@ def create_dino(config, num_classes: int) -> Dino:
         num_decoder_layers=dino.decoder_layers,
         num_points=dino.num_points,
         num_queries=dino.num_queries,
+        num_one_to_many_queries=one_to_many,
         remat=model_config.remat,
         dtype=dtype,
     )
@@ -234,6 +248,7 @@ def _dino_objective(config, model: nn.Module, num_classes: int) -> Objective:
     weights = loss_config.set_prediction
     image_size = tuple(config.input.image_size)
     pairs = dino.denoising_pairs
+    one_to_many, repeats = dino.one_to_many_queries, dino.one_to_many_repeats
     focal = dict(focal_alpha=loss_config.focal_alpha, focal_gamma=loss_config.focal_gamma)
     if weights.class_loss not in losses.CLASS_LOSSES:
         raise ConfigError(
@@ -308,7 +323,7 @@ def _dino_objective(config, model: nn.Module, num_classes: int) -> Objective:
                     "boxes_cxcywh": queries["boxes_cxcywh"],
                     "attention_mask": denoising.denoising_attention_mask(queries["group"], dino.num_queries),
                 }
-        outputs = model.apply({"params": params}, batch["image"], denoising_inputs)
+        outputs = model.apply({"params": params}, batch["image"], denoising_inputs, one_to_many=bool(one_to_many))
 
         # Every decoder layer and the encoder proposals are matched on their own.
         all_logits = jnp.concatenate([outputs["logits"], outputs["encoder_logits"][None]])
@@ -342,6 +357,28 @@ def _dino_objective(config, model: nn.Module, num_classes: int) -> Objective:
             terms["cls_loss"] += dn_cls
             terms["box_loss"] += dn_box
             terms["denoising_loss"] = dn_cls + dn_box
+        if one_to_many:
+            # H-DETR's hybrid branch: the same Hungarian matching and losses
+            # against every box repeated K times, divided by the K n copies.
+            def repeated(x):
+                return jnp.tile(x, (1, repeats) + (1,) * (x.ndim - 2))
+
+            many_labels, many_boxes, many_mask = repeated(labels), repeated(gt_boxes), repeated(gt_mask)
+            many_logits, many_pred = outputs["one_to_many_logits"], outputs["one_to_many_boxes"]
+            with jax.named_scope("matching"):
+                _, many_to_gt = jax.vmap(
+                    lambda lg, bx: matching.match_batch(lg, bx, many_labels, many_boxes, many_mask, **match_weights)
+                )(stopped(many_logits), stopped(many_pred))
+            many_query_mask = jnp.broadcast_to(batch["example_mask"][:, None], many_to_gt.shape[1:])
+            with jax.named_scope("loss"):
+                _, many = jax.vmap(
+                    lambda lg, bx, q: set_loss(lg, bx, many_labels, many_boxes, q, divisor * repeats, many_query_mask)
+                )(many_logits, many_pred, many_to_gt)
+            many_cls = weights.one_to_many_weight * jnp.sum(many["cls_loss"])
+            many_box = weights.one_to_many_weight * (jnp.sum(many["l1_loss"]) + jnp.sum(many["giou_loss"]))
+            terms["cls_loss"] += many_cls
+            terms["box_loss"] += many_box
+            terms["one_to_many_loss"] = many_cls + many_box
         terms["num_positives"] = num_boxes
         return terms["cls_loss"] + terms["box_loss"], terms
 

@@ -137,6 +137,44 @@ def test_matching_outputs_do_not_see_the_denoising_queries(setup, outputs):
         np.testing.assert_allclose(np.asarray(plain[key]), np.asarray(outputs[key]), rtol=1e-5, atol=1e-5)
 
 
+ONE_TO_MANY = 24  # NUM_QUERIES + ONE_TO_MANY = 56 of the 85 proposals of a 64 px input
+
+
+def test_one_to_many_query_never_reaches_one_to_one_or_denoising_queries(setup, outputs):
+    """Through the whole model, with denoising on: changing one one-to-many query's content changes every
+    other one-to-many query and nothing else; the one-to-one and denoising outputs equal those without the
+    branch, and prediction's parameters are training's."""
+    config = tiny_config()
+    config.model.dino.one_to_many_queries = ONE_TO_MANY
+    model = families.create_model(config, NUM_CLASSES)
+    assert model.num_one_to_many_queries == ONE_TO_MANY
+    shapes = jax.eval_shape(model.init, jax.random.key(0), jax.ShapeDtypeStruct((1, IMAGE, IMAGE, 3), jnp.float32))
+    content = np.random.default_rng(4).standard_normal((ONE_TO_MANY, config.model.dino.hidden_dim), np.float32)
+    params = {**setup.params, "one_to_many_content": content}
+    assert set(nn.meta.unbox(shapes["params"])) == set(params)
+    apply = jax.jit(lambda p, x, dn: model.apply({"params": p}, x, dn, one_to_many=True))
+    hybrid = apply(params, setup.images, setup.dn)
+    layers = config.model.dino.decoder_layers
+    assert hybrid["one_to_many_logits"].shape == (layers, BATCH, ONE_TO_MANY, NUM_CLASSES)
+    assert hybrid["one_to_many_boxes"].shape == (layers, BATCH, ONE_TO_MANY, 4)
+    for key in outputs:  # the same numbers, to the rounding of longer matrix products
+        np.testing.assert_allclose(np.asarray(hybrid[key]), np.asarray(outputs[key]), rtol=1e-5, atol=1e-5)
+
+    changed = content.copy()
+    changed[5] += 1.0
+    after = apply({**params, "one_to_many_content": changed}, setup.images, setup.dn)
+    for key in outputs:  # exactly: masked keys get zero weight
+        np.testing.assert_array_equal(np.asarray(after[key]), np.asarray(hybrid[key]), err_msg=key)
+    others = [q for q in range(ONE_TO_MANY) if q != 5]
+    for key in ("one_to_many_logits", "one_to_many_boxes"):
+        diff = np.abs(np.asarray(after[key])[:, :, others] - np.asarray(hybrid[key])[:, :, others]).max(-1)
+        assert np.all(diff > 1e-6), (key, diff.min())
+    # Prediction never builds the branch: the same outputs as the model without it.
+    plain = jax.jit(lambda p, x: model.apply({"params": p}, x))(params, setup.images)
+    for key, value in setup.apply_plain(setup.params, setup.images).items():
+        np.testing.assert_array_equal(np.asarray(plain[key]), np.asarray(value), err_msg=key)
+
+
 def test_shapes_and_float32_outputs_and_params_with_bfloat16_compute():
     """bf16 compute: every output is float32 of the documented shape, every parameter float32."""
     config = tiny_config("bfloat16")

@@ -14,6 +14,8 @@ import pytest
 from configs import default, dino_tiny
 from detector.errors import ConfigError
 from detector.models import families
+from detector.ops import images as images_lib
+from detector.ops import losses, matching
 from input_pipeline import batch as batch_lib
 
 NUM_CLASSES = 4
@@ -296,3 +298,80 @@ def test_dino_class_loss_option_reaches_every_set_loss(dino):
     assert terms["cls_loss"] != pytest.approx(focal_terms["cls_loss"], rel=1e-3)
     for part in ("encoder_loss", "denoising_loss"):
         assert terms[part] != pytest.approx(focal_terms[part], rel=1e-3), part
+
+
+def test_one_to_many_loss_is_every_layers_set_loss_against_the_boxes_repeated(dino):
+    """H-DETR's branch adds one term and changes no other: per decoder layer, the set loss of the M
+    one-to-many queries under an optimal assignment (scipy's) to each box repeated K times, over K n."""
+    scipy_optimize = pytest.importorskip("scipy.optimize")
+    repeats, count = 3, 24
+    config = dino_config()
+    config.model.dino.one_to_many_queries, config.model.dino.one_to_many_repeats = count, repeats
+    model = families.create_model(config, NUM_CLASSES)
+    content = np.random.default_rng(5).standard_normal((count, config.model.dino.hidden_dim), np.float32)
+    params = {**dino.params, "one_to_many_content": content}
+    batch, rng = make_batch(), jax.random.key(1)
+    loss, terms = scalars(*jax.jit(families.objective(config, model, NUM_CLASSES).loss)(params, batch, rng))
+    _, plain = scalars(*dino.loss(dino.params, batch, rng))
+    assert set(terms) == set(plain) | {"one_to_many_loss"}
+    for key in ("encoder_loss", "denoising_loss", "num_positives"):  # what the branch leaves alone
+        assert terms[key] == pytest.approx(plain[key], rel=1e-5), key
+    branch = terms["cls_loss"] + terms["box_loss"] - (plain["cls_loss"] + plain["box_loss"])
+    assert branch == pytest.approx(terms["one_to_many_loss"], rel=1e-4)
+    assert loss == pytest.approx(terms["cls_loss"] + terms["box_loss"], rel=1e-6)
+
+    images = images_lib.normalize_images(batch["image"], batch["image_hw"], config.input.mean_rgb, config.input.std_rgb)
+    outputs = jax.jit(lambda p, x: model.apply({"params": p}, x, one_to_many=True))(params, images)
+    gt_boxes = np.asarray(families.normalized_cxcywh(batch["boxes"], (IMAGE, IMAGE)))
+    weights, want = config.loss.set_prediction, 0.0
+    num_boxes = repeats * int(BOXES_MASK.sum())
+    for logits, boxes in zip(np.asarray(outputs["one_to_many_logits"]), np.asarray(outputs["one_to_many_boxes"])):
+        query_to_gt = np.full((2, count), -1, np.int32)
+        repeated_boxes = np.zeros((2, repeats * MAX_BOXES, 4), np.float32)
+        repeated_labels = np.zeros((2, repeats * MAX_BOXES), np.int32)
+        for image in range(2):
+            # Copies side by side (the objective tiles them): any optimal assignment gives the same loss.
+            real = np.flatnonzero(BOXES_MASK[image]).repeat(repeats)
+            repeated_boxes[image, : len(real)] = gt_boxes[image, real]
+            repeated_labels[image, : len(real)] = LABELS[image, real]
+            cost = matching.dino_matching_cost(
+                logits[image],
+                boxes[image],
+                repeated_labels[image, : len(real)],
+                repeated_boxes[image, : len(real)],
+                class_weight=weights.match_class_weight,
+                l1_weight=weights.match_l1_weight,
+                giou_weight=weights.match_giou_weight,
+                focal_alpha=config.loss.focal_alpha,
+                focal_gamma=config.loss.focal_gamma,
+            )
+            rows, columns = scipy_optimize.linear_sum_assignment(np.asarray(cost))
+            query_to_gt[image, rows] = columns
+        total, _ = losses.set_prediction_loss(
+            logits,
+            boxes,
+            repeated_labels,
+            repeated_boxes,
+            query_to_gt,
+            num_boxes=num_boxes,
+            class_weight=weights.class_weight,
+            l1_weight=weights.l1_weight,
+            giou_weight=weights.giou_weight,
+            class_loss=weights.class_loss,
+            mal_gamma=weights.mal_gamma,
+        )
+        want += float(total)
+    assert terms["one_to_many_loss"] == pytest.approx(weights.one_to_many_weight * want, rel=1e-4)
+
+
+def test_one_to_many_queries_that_cannot_hold_the_repeated_boxes_are_a_config_error():
+    config = dino_config()
+    config.model.dino.one_to_many_queries, config.model.dino.one_to_many_repeats = 23, 6  # 6 x 4 boxes = 24
+    with pytest.raises(ConfigError, match=r"one_to_many_queries=23.*at least 24"):
+        families.create_model(config, NUM_CLASSES)
+    config.model.dino.one_to_many_queries = 54  # 32 + 54 > 85 proposals of a 64 px input
+    with pytest.raises(ConfigError, match=r"one_to_many_queries=54.*85 encoder proposals"):
+        families.create_model(config, NUM_CLASSES)
+    config.model.dino.one_to_many_queries, config.model.dino.one_to_many_repeats = 24, 0
+    with pytest.raises(ConfigError, match=r"one_to_many_repeats=0"):
+        families.create_model(config, NUM_CLASSES)
