@@ -3,6 +3,7 @@ RetinaNet's objective behind the same interface."""
 
 from __future__ import annotations
 
+import re
 import types
 
 import flax.linen as nn
@@ -14,6 +15,7 @@ import pytest
 from configs import default, dino_tiny
 from detector.errors import ConfigError
 from detector.models import families
+from detector.models.families import dino as dino_family
 from detector.ops import images as images_lib
 from detector.ops import losses, matching
 from input_pipeline import batch as batch_lib
@@ -177,7 +179,7 @@ def test_dino_detect_shapes_and_boxes_in_the_image(dino):
 
 def test_normalized_cxcywh():
     """yxyx pixels of a 64 (high) x 128 (wide) input -> fractions (cx, cy, w, h)."""
-    got = families.normalized_cxcywh(jnp.array([[10.0, 20.0, 30.0, 100.0]]), (64, 128))
+    got = dino_family.normalized_cxcywh(jnp.array([[10.0, 20.0, 30.0, 100.0]]), (64, 128))
     np.testing.assert_allclose(got, [[60 / 128, 20 / 64, 80 / 128, 20 / 64]], rtol=1e-6)
 
 
@@ -322,7 +324,7 @@ def test_one_to_many_loss_is_every_layers_set_loss_against_the_boxes_repeated(di
 
     images = images_lib.normalize_images(batch["image"], batch["image_hw"], config.input.mean_rgb, config.input.std_rgb)
     outputs = jax.jit(lambda p, x: model.apply({"params": p}, x, one_to_many=True))(params, images)
-    gt_boxes = np.asarray(families.normalized_cxcywh(batch["boxes"], (IMAGE, IMAGE)))
+    gt_boxes = np.asarray(dino_family.normalized_cxcywh(batch["boxes"], (IMAGE, IMAGE)))
     weights, want = config.loss.set_prediction, 0.0
     num_boxes = repeats * int(BOXES_MASK.sum())
     for logits, boxes in zip(np.asarray(outputs["one_to_many_logits"]), np.asarray(outputs["one_to_many_boxes"])):
@@ -375,3 +377,29 @@ def test_one_to_many_queries_that_cannot_hold_the_repeated_boxes_are_a_config_er
     config.model.dino.one_to_many_queries, config.model.dino.one_to_many_repeats = 24, 0
     with pytest.raises(ConfigError, match=r"one_to_many_repeats=0"):
         families.create_model(config, NUM_CLASSES)
+
+
+def test_the_one_to_many_branch_leaves_the_exported_detection_program_unchanged(dino):
+    """Training-only: with the branch on, the same parameters export the same program, byte for byte."""
+    config = dino_config()
+    config.model.dino.one_to_many_queries, config.model.dino.one_to_many_repeats = 24, 6
+    content = np.ones((24, config.model.dino.hidden_dim), np.float32)
+    inputs = (jax.ShapeDtypeStruct((2, IMAGE, IMAGE, 3), jnp.uint8), jax.ShapeDtypeStruct((2, 2), jnp.int32))
+
+    def exported(config, params):
+        objective = families.objective(config, families.create_model(config, NUM_CLASSES), NUM_CLASSES)
+        return jax.export.export(jax.jit(lambda images, image_hw: objective.detect(params, images, image_hw)))(*inputs)
+
+    off = exported(dino_config(), dino.params)
+    on = exported(config, {**dino.params, "one_to_many_content": content})
+    assert (on.in_avals, on.out_avals) == (off.in_avals, off.out_avals)
+
+    def program(exported):  # source locations aside
+        text = re.sub(r"\s*loc\((#loc\d*|unknown)\)", "", exported.mlir_module())
+        return [line for line in text.splitlines() if not line.startswith("#loc")]
+
+    assert len(program(off)) > 100 and program(on) == program(off)
+    batch = make_batch()
+    detections = on.call(batch["image"], batch["image_hw"])
+    for key, value in off.call(batch["image"], batch["image_hw"]).items():
+        np.testing.assert_array_equal(np.asarray(detections[key]), np.asarray(value), err_msg=key)

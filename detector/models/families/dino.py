@@ -1,98 +1,28 @@
-"""Detector families: each network with its training objective and its decoding into detections.
+"""The DINO family: queries matched one-to-one (Hungarian) with set losses on every decoder layer, the
+encoder proposals, contrastive denoising groups and the hybrid one-to-many branch; top-k without NMS.
 
-`config.model.name` picks the family:
-  * "retinanet": dense anchors, a focal loss over anchors matched by IoU,
-    NMS at inference (`detector.models.retinanet`);
-  * "dino": 900 queries, Hungarian-matched set losses on every decoder
-    layer, the encoder proposals and contrastive denoising groups, top-k
-    at inference without NMS (`detector.models.dino`).
-
-The train and predict steps see a family only through `Objective`: pure
-functions of (params, batch), so they jit, shard and export the same way.
+The network is `detector.models.dino`; this module builds it from the
+config and gives the steps its `Objective`.
 """
 
 from __future__ import annotations
 
-import dataclasses
-from collections.abc import Callable
-from typing import Any
-
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
-import numpy as np
 
 from detector.errors import ConfigError
 from detector.models import retinanet
 from detector.models.dino import Dino, encoder_proposals
+from detector.models.families.objective import Objective
 from detector.models.necks import ChannelMapper, SimpleFeaturePyramid
-from detector.ops import anchors as anchors_lib
 from detector.ops import denoising, losses, matching, postprocess
-from detector.ops import images as images_lib
-
-FAMILIES = ("retinanet", "dino")
 
 
-@dataclasses.dataclass(frozen=True)
-class Objective:
-    """What the steps need of a family, as pure functions.
-
-    loss: `(params, batch, rng, normalizer=None) -> (loss, terms)`. Terms
-      hold float32 scalars `cls_loss`, `box_loss` (parts of the loss) and
-      `num_positives` (the count the loss is divided by), and maybe more
-      parts. With `normalizer` the sums are divided by it instead (1: plain
-      sums, for gradient accumulation over micro-batches).
-    detect: `(params, images, image_hw) -> dict` of boxes float32
-      `[B, D, 4]` yxyx in network-input pixels, scores `[B, D]`, classes
-      int32 `[B, D]` and valid bool `[B, D]`; D = `postprocess.max_detections`.
-      Images are the batch's uint8 `[B, H, W, 3]`, image_hw its int32
-      `[B, 2]` (see input_pipeline.batch): both functions normalise on the device.
-    outputs_per_image: anchors or queries, for logs.
-    """
-
-    loss: Callable[..., tuple[jax.Array, dict[str, jax.Array]]]
-    detect: Callable[[Any, jax.Array, jax.Array], dict[str, jax.Array]]
-    outputs_per_image: str
-
-
-def family_of(model_config) -> str:
-    name = model_config.name
-    if name not in FAMILIES:
-        raise ConfigError(f"model.name={name!r}; use one of {', '.join(FAMILIES)}")
-    return name
-
-
-def anchors_for_config(config) -> np.ndarray:
-    """`[A, 4]` yxyx anchors in network-input pixels for `config.input.image_size` (RetinaNet)."""
-    a = config.model.anchors
-    height, width = config.input.image_size
-    return anchors_lib.generate_anchors(
-        height, width, a.min_level, a.max_level, a.num_scales, tuple(a.aspect_ratios), a.anchor_size
-    )
-
-
-def num_anchors_per_location(config) -> int:
-    a = config.model.anchors
-    return anchors_lib.num_anchors_per_location(a.num_scales, tuple(a.aspect_ratios))
-
-
-def create_model(config, num_classes: int, *, data_parallel_devices: int = 1) -> nn.Module:
-    """The network of `config.model.name` for `num_classes` classes.
-
-    `data_parallel_devices`: the devices the batch, and so each gradient
-    reduction, is split over (the mesh's data x fsdp); the default, 1, suits
-    prediction, which reduces no gradients. Only `model.head_level_packing="auto"`
-    reads it; the parameters do not depend on it.
-    """
-    if family_of(config.model) == "retinanet":
-        return retinanet.create_model(
-            config.model, num_classes, num_anchors_per_location(config), data_parallel_devices=data_parallel_devices
-        )
-    return create_dino(config, num_classes)
-
-
-def create_dino(config, num_classes: int) -> Dino:
-    """DINO from `config.model` (backbone, dtype, remat) and `config.model.dino`."""
+def create(config, num_classes: int, *, data_parallel_devices: int = 1) -> Dino:
+    """DINO from `config.model` (backbone, dtype, remat) and `config.model.dino`; it reduces no gradients of its
+    own, so `data_parallel_devices` changes nothing."""
+    del data_parallel_devices
     model_config, dino = config.model, config.model.dino
     dtype = retinanet.compute_dtype(model_config)
     if dino.hidden_dim % dino.num_heads or (dino.hidden_dim // dino.num_heads) % 2:
@@ -146,96 +76,6 @@ def create_dino(config, num_classes: int) -> Dino:
     )
 
 
-def objective(config, model: nn.Module, num_classes: int) -> Objective:
-    """The loss and detection functions of `model`, built by `create_model(config, num_classes)`."""
-    if family_of(config.model) == "retinanet":
-        family = _retinanet_objective(config, model, num_classes)
-    else:
-        family = _dino_objective(config, model, num_classes)
-    mean_rgb, std_rgb = _normalization(config.input)
-    resize_on_device = bool(config.input.resize_on_device)
-    image_size = tuple(int(v) for v in config.input.image_size)
-
-    def network_images(images, image_hw):
-        return images_lib.normalize_images(images, image_hw, mean_rgb, std_rgb)
-
-    def loss(params, batch, rng=None, normalizer=None):
-        images = batch["image"]
-        if resize_on_device:
-            images = images_lib.resample_images(
-                images, batch["source_hw"], batch["source_to_image"], batch["source_flipped"], image_size
-            )
-        batch = {**batch, "image": network_images(images, batch["image_hw"])}
-        return family.loss(params, batch, rng, normalizer)
-
-    def detect(params, images, image_hw):
-        return family.detect(params, network_images(images, image_hw))
-
-    return Objective(loss=loss, detect=detect, outputs_per_image=family.outputs_per_image)
-
-
-def _normalization(input_config) -> tuple[tuple[float, ...], tuple[float, ...]]:
-    """`input.mean_rgb` and `input.std_rgb`, checked: three values each, every std > 0 (0-255 units)."""
-    mean_rgb = tuple(float(v) for v in input_config.mean_rgb)
-    std_rgb = tuple(float(v) for v in input_config.std_rgb)
-    if len(mean_rgb) != 3 or len(std_rgb) != 3 or not all(v > 0 for v in std_rgb):
-        raise ConfigError(
-            f"input.mean_rgb={mean_rgb} and input.std_rgb={std_rgb}: give three values each (R, G, B, 0-255 "
-            "units), every std > 0, e.g. (123.675, 116.28, 103.53) and (58.395, 57.12, 57.375)"
-        )
-    return mean_rgb, std_rgb
-
-
-def _retinanet_objective(config, model: nn.Module, num_classes: int) -> Objective:
-    anchors = anchors_for_config(config)
-    loss_config = config.loss
-    height, width = config.input.image_size
-    box_coder_weights = tuple(loss_config.box_coder_weights)
-
-    def loss(params, batch, rng=None, normalizer=None):
-        del rng  # deterministic
-        cls_logits, box_deltas = model.apply({"params": params}, batch["image"])
-        with jax.named_scope("loss"):
-            return losses.retinanet_loss(
-                cls_logits,
-                box_deltas,
-                jnp.asarray(anchors),
-                batch["boxes"],
-                batch["labels"],
-                batch["boxes_mask"],
-                num_classes=num_classes,
-                positive_iou=loss_config.positive_iou,
-                negative_iou=loss_config.negative_iou,
-                allow_low_quality_matches=loss_config.allow_low_quality_matches,
-                focal_alpha=loss_config.focal_alpha,
-                focal_gamma=loss_config.focal_gamma,
-                box_loss=loss_config.box_loss,
-                huber_delta=loss_config.huber_delta,
-                box_loss_weight=loss_config.box_loss_weight,
-                box_coder_weights=box_coder_weights,
-                example_mask=batch["example_mask"],
-                normalizer=normalizer,
-            )
-
-    def detect(params, images):
-        cls_logits, box_deltas = model.apply({"params": params}, images)
-        post = config.postprocess
-        return postprocess.detect(
-            cls_logits,
-            box_deltas,
-            jnp.asarray(anchors),
-            height,
-            width,
-            pre_nms_top_k=post.pre_nms_top_k,
-            score_threshold=post.score_threshold,
-            iou_threshold=post.iou_threshold,
-            max_detections=post.max_detections,
-            box_coder_weights=box_coder_weights,
-        )
-
-    return Objective(loss=loss, detect=detect, outputs_per_image=f"{anchors.shape[0]} anchors")
-
-
 def normalized_cxcywh(boxes_yxyx: jax.Array, image_size: tuple[int, int]) -> jax.Array:
     """`[..., 4]` yxyx pixels -> (cx, cy, w, h) as fractions of the `(height, width)` network input."""
     height, width = image_size
@@ -243,7 +83,7 @@ def normalized_cxcywh(boxes_yxyx: jax.Array, image_size: tuple[int, int]) -> jax
     return jnp.stack([(x0 + x1) / (2 * width), (y0 + y1) / (2 * height), (x1 - x0) / width, (y1 - y0) / height], -1)
 
 
-def _dino_objective(config, model: nn.Module, num_classes: int) -> Objective:
+def objective(config, model: nn.Module, num_classes: int) -> Objective:
     dino, loss_config = config.model.dino, config.loss
     weights = loss_config.set_prediction
     image_size = tuple(config.input.image_size)
