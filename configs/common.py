@@ -209,6 +209,12 @@ def base_config() -> ml_collections.ConfigDict:
     # Boxes the crop leaves less than this fraction of are dropped.
     config.input.min_visible_fraction = 0.0
     config.input.color_jitter = 0.0  # strength 0-1 of brightness/contrast/saturation jitter
+    # DEIM's dense one-to-one input: this fraction of the training examples
+    # are 2 x 2 mosaics of four (each tile scale-jittered at half the size),
+    # for the first mosaic_until of total_steps; the rest of the run trains
+    # on single images, as DEIM stops its mosaics for the last epochs. 0: off.
+    config.input.mosaic_probability = 0.0
+    config.input.mosaic_until = 0.5
     # Training ships the decoded pixels a crop window needs and the train step
     # resizes them on the device (DALI-style), where resizing on the host is
     # the costliest part of large-scale jitter; needs color_jitter 0.

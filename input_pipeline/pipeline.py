@@ -26,6 +26,7 @@ max_bad_fraction, num_threads}; dataset.include_negatives.
 from __future__ import annotations
 
 import collections
+import dataclasses
 import math
 import os
 from collections.abc import Iterator
@@ -136,7 +137,7 @@ def _decode(serialized: tf.Tensor) -> dict:
 
 
 def _guarded(transform, image_size, max_boxes: int):
-    """Per-example decode + transform that turns a failure into a masked example.
+    """Per-example `transform(serialized, position)` (decode and transform) that turns a failure into a masked example.
 
     tf.data cannot catch an op error inside a map function, but a one-element
     dataset with ignore_errors() can: it yields the result, or nothing and the
@@ -148,7 +149,7 @@ def _guarded(transform, image_size, max_boxes: int):
     def process(position, record_id, serialized):
         def run(position, record_id, serialized):
             tf.debugging.assert_non_negative(record_id)  # Padding takes the fallback.
-            out = transform(_decode(serialized), position)
+            out = transform(serialized, position)
             out["decode_failed"] = tf.constant(False)
             return out
 
@@ -163,13 +164,29 @@ def _guarded(transform, image_size, max_boxes: int):
 
 
 def _build(
-    config, positions: tf.data.Dataset, record_of_position, reader, transform, batch: int, image_size
+    config,
+    positions: tf.data.Dataset,
+    record_of_position,
+    reader,
+    transform,
+    batch: int,
+    image_size,
+    partners_of_position=None,
 ) -> tf.data.Dataset:
-    """Batches of `batch` transformed examples whose `image` is `image_size` (H, W)."""
+    """Batches of `batch` transformed examples whose `image` is `image_size` (H, W).
+
+    `transform(serialized, position)` gets the position's record, or with
+    `partners_of_position` (int64 [n] positions -> [n, k] record ids, -1 for
+    none) a string [1 + k] of it and its partners (b'' for none).
+    """
 
     def read(positions):
         record_ids = record_of_position(positions)
-        return positions, record_ids, _read_records(reader, record_ids)
+        if partners_of_position is None:
+            return positions, record_ids, _read_records(reader, record_ids)
+        # [n, 1 + k] records: each example's own, then the k its transform may combine it with (-1: none).
+        with_partners = tf.concat([record_ids[:, None], partners_of_position(positions)], axis=1)
+        return positions, record_ids, _read_records(reader, with_partners)
 
     ds = positions.map(read, num_parallel_calls=tf.data.AUTOTUNE)
     ds = ds.unbatch()
@@ -233,14 +250,70 @@ def train_dataset(
         index = tf.raw_ops.RandomIndexShuffle(index=positions % num, seed=seeds, max_index=num - 1, rounds=4)
         return tf.gather(train_ids, index)
 
-    def transform(example, position):
+    mosaic = _mosaic_schedule(config)
+
+    def transform(serialized, position):
         example_seed = tf.stack([tf.constant(seed, tf.int64), position])
-        return transforms.train_transform(example, example_seed, opts)
+        if mosaic is None:
+            return transforms.train_transform(_decode(serialized), example_seed, opts)
+        return tf.cond(
+            mosaic.uses(position),
+            lambda: transforms.mosaic_transform([_decode(serialized[i]) for i in range(4)], example_seed, opts),
+            lambda: transforms.train_transform(_decode(serialized[0]), example_seed, opts),
+        )
+
+    def partners_of_position(positions):
+        def partners(position):
+            drawn = tf.random.stateless_uniform([3], mosaic.partner_seed(position), 0, num, dtype=tf.int64)
+            return tf.where(mosaic.uses(position), tf.gather(train_ids, drawn), -tf.ones([3], tf.int64))
+
+        return tf.map_fn(partners, positions, fn_output_signature=tf.TensorSpec([3], tf.int64))
 
     positions = _local_positions(int(start_position), int(config.global_batch_size), first_row, batch, None)
     return _build(
-        config, positions, record_of_position, split.open_reader(), transform, batch, opts.training_image_size
+        config,
+        positions,
+        record_of_position,
+        split.open_reader(),
+        transform,
+        batch,
+        opts.training_image_size,
+        partners_of_position=None if mosaic is None else partners_of_position,
     )
+
+
+@dataclasses.dataclass(frozen=True)
+class _MosaicSchedule:
+    """Which training positions are 2 x 2 mosaics (`transforms.mosaic_transform`): a pure function of the position.
+
+    Positions before `until_position` are, each with `probability`; the
+    draw and the partners' draw use `seed`, apart from the example's own.
+    """
+
+    probability: float
+    until_position: int
+    seed: int
+
+    def uses(self, position: tf.Tensor) -> tf.Tensor:
+        drawn = tf.random.stateless_uniform([], tf.stack([tf.constant(self.seed, tf.int64), position]))
+        return (position < self.until_position) & (drawn < self.probability)
+
+    def partner_seed(self, position: tf.Tensor) -> tf.Tensor:
+        """The stateless seed of the three partners' draw at `position`."""
+        return tf.stack([tf.constant(self.seed + 1, tf.int64), position])
+
+
+def _mosaic_schedule(config) -> _MosaicSchedule | None:
+    """`input.mosaic_probability` and `input.mosaic_until` checked; None when no position is a mosaic."""
+    probability, until = float(config.input.mosaic_probability), float(config.input.mosaic_until)
+    for name, value in (("mosaic_probability", probability), ("mosaic_until", until)):
+        if not 0.0 <= value <= 1.0:  # Also rejects NaN.
+            raise DatasetError(f"input.{name} must be in [0, 1], got {value}")
+    until_position = round(until * int(config.total_steps)) * int(config.global_batch_size)
+    if probability == 0.0 or until_position == 0:
+        return None
+    # One more seed, derived from the run's: the schedule's draws are not the transforms' (seed, position) stream.
+    return _MosaicSchedule(probability, until_position, int(config.seed) ^ 0x4D4F53)
 
 
 def eval_dataset(
@@ -267,7 +340,7 @@ def eval_dataset(
         positions,
         record_of_position,
         split.open_reader(),
-        lambda example, position: transforms.eval_transform(example, opts),
+        lambda serialized, position: transforms.eval_transform(_decode(serialized), opts),
         batch,
         opts.image_size,
     )

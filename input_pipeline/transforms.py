@@ -508,6 +508,66 @@ def train_transform(example: dict, seed: tf.Tensor, opts: TransformOptions) -> d
     return _finish(pixels, window_hw, boxes, labels, example["image_id"], scale, original_hw, source, opts, canvas_size)
 
 
+_MOSAIC_SEED_TAG = 0x4D4F53  # "MOS": the tiles' seeds, apart from every other draw of the example's seed
+
+
+def mosaic_transform(examples: list[dict], seed: tf.Tensor, opts: TransformOptions) -> dict:
+    """Four examples tiled 2 x 2 into one: DEIM's dense one-to-one input (more boxes per image).
+
+    Tile i (row-major: top-left, top-right, bottom-left, bottom-right) is
+    `train_transform` of examples[i] at the tile's size (half the target,
+    the bottom and right tiles taking an odd pixel), with its own seed drawn
+    from `seed`: flip, scale jitter, crop or pad, colour, box dropping as
+    any training example. Boxes are moved with their tile; the first
+    opts.max_boxes in tile order are kept (`boxes_truncated` when more were).
+    The pixels are resized on the host whatever opts.resize_on_device says
+    (the identity geometry), on the same canvas as `train_transform`'s.
+    image_id, scale and original_size are the top-left tile's.
+
+    Returns: `train_transform`'s dict, of the same shapes.
+    """
+    if len(examples) != 4:
+        raise ValueError(f"a mosaic takes 4 examples, got {len(examples)}")
+    out_h, out_w = opts.image_size
+    heights, widths = (out_h // 2, out_h - out_h // 2), (out_w // 2, out_w - out_w // 2)
+    tile_seeds = tf.unstack(
+        tf.random.experimental.stateless_split(tf.random.experimental.stateless_fold_in(seed, _MOSAIC_SEED_TAG), 4)
+    )
+    tiles_out, tiles, boxes, labels, masks = [], [], [], [], []
+    truncated = tf.constant(False)
+    for i, (example, tile_seed) in enumerate(zip(examples, tile_seeds)):
+        row, column = divmod(i, 2)
+        tile_opts = dataclasses.replace(
+            opts, image_size=(heights[row], widths[column]), resize_on_device=False, source_size=None
+        )
+        tile = train_transform(example, tile_seed, tile_opts)
+        tiles_out.append(tile)
+        tiles.append(tile["image"])
+        offset = tf.constant([row * heights[0], column * widths[0]] * 2, tf.float32)
+        boxes.append(tile["boxes"] + offset[None, :])
+        labels.append(tile["labels"])
+        masks.append(tile["boxes_mask"])
+        truncated = truncated | tile["boxes_truncated"]
+    image = tf.concat([tf.concat(tiles[:2], axis=1), tf.concat(tiles[2:], axis=1)], axis=0)
+    mask = tf.concat(masks, axis=0)
+    kept_boxes, kept_labels = tf.boolean_mask(tf.concat(boxes, 0), mask), tf.boolean_mask(tf.concat(labels, 0), mask)
+    first = tiles_out[0]
+    out = _finish(
+        image,
+        tf.constant([out_h, out_w], tf.int32),
+        kept_boxes,
+        kept_labels,
+        first["image_id"],
+        first["scale"],
+        first["original_size"],
+        _identity_geometry(tf.constant([out_h, out_w], tf.int32)),
+        opts,
+        opts.training_image_size,
+    )
+    out["boxes_truncated"] = out["boxes_truncated"] | truncated
+    return out
+
+
 def eval_transform(example: dict, opts: TransformOptions) -> dict:
     """Deterministic resize to fit opts.image_size, round to uint8, pad bottom/right with zeros.
 

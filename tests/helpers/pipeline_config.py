@@ -13,6 +13,7 @@ def make_config(data_dir, **overrides):
         {
             "seed": 0,
             "global_batch_size": 8,
+            "total_steps": 8,
             "dataset": {
                 "name": "synthetic_shapes",
                 "data_dir": str(data_dir),
@@ -43,6 +44,8 @@ def make_config(data_dir, **overrides):
                 "source_size": None,
                 "max_bad_fraction": 0.5,
                 "num_threads": None,
+                "mosaic_probability": 0.0,
+                "mosaic_until": 0.5,
             },
         }
     )

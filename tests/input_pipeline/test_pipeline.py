@@ -268,3 +268,43 @@ def test_missing_data_dir_parent_is_an_error(tmp_path):
     parent = re.escape(str(tmp_path / "no" / "such"))
     with pytest.raises(input_pipeline.DatasetError, match=f"{parent} does not exist"):
         input_pipeline.create_train_iterator(config)
+
+
+def test_mosaics_are_a_function_of_the_position_and_stop_at_mosaic_until(data_dir):
+    """Half the examples of the first half of the run are 2 x 2 mosaics; resuming draws the same ones, and past
+    `input.mosaic_until` the stream is the one without mosaics."""
+    steps = 8
+    config = make_config(data_dir, **{"total_steps": steps, "input.mosaic_probability": 0.5, "input.mosaic_until": 0.5})
+    plain = _take(input_pipeline.create_train_iterator(make_config(data_dir, total_steps=steps)), steps)
+    mixed = _take(input_pipeline.create_train_iterator(config), steps)
+    changed = [[not np.array_equal(a["image"][i], b["image"][i]) for i in range(8)] for a, b in zip(mixed, plain)]
+    first_half = np.array(changed[: steps // 2])
+    assert 0.25 < first_half.mean() < 0.75  # about half are mosaics
+    assert not np.any(changed[steps // 2 :])  # the second half: the same examples, bit for bit
+    for got, want in zip(mixed[steps // 2 :], plain[steps // 2 :]):
+        for key in want:
+            np.testing.assert_array_equal(got[key], want[key], err_msg=key)
+    # A mosaic holds four images' boxes (up to max_boxes): more than its single image had.
+    boxes = [
+        (a["boxes_mask"][i].sum(), b["boxes_mask"][i].sum())
+        for a, b, c in zip(mixed, plain, changed)
+        for i in range(8)
+        if c[i]
+    ]
+    assert np.mean([m for m, _ in boxes]) > 1.5 * np.mean([p for _, p in boxes])
+    resumed = _take(input_pipeline.create_train_iterator(config, start_position=3 * 8), 2)
+    for got, want in zip(resumed, mixed[3:5]):
+        for key in want:
+            np.testing.assert_array_equal(got[key], want[key], err_msg=key)
+
+
+@pytest.mark.parametrize("key", ["mosaic_probability", "mosaic_until"])
+def test_mosaic_settings_out_of_range_are_one_error(data_dir, key):
+    config = make_config(
+        data_dir,
+        **{f"input.{key}": 1.5, "input.mosaic_probability": 0.5}
+        if key != "mosaic_probability"
+        else {f"input.{key}": 1.5},
+    )
+    with pytest.raises(input_pipeline.DatasetError, match=rf"input\.{key} must be in \[0, 1\], got 1.5"):
+        pipeline.train_dataset(config)

@@ -491,3 +491,47 @@ def test_resizing_on_the_device_refuses_colour_jitter_it_cannot_apply():
     assert transforms.TransformOptions.from_config(_config(resize_on_device=True)).resize_on_device
     with pytest.raises(ValueError, match=r"input\.color_jitter=0\.4 needs the host to resize.*resize_on_device=False"):
         transforms.TransformOptions.from_config(_config(resize_on_device=True, color_jitter=0.4))
+
+
+def test_mosaic_tiles_four_examples_with_their_boxes_on_their_pixels():
+    """Each tile is a training-transformed example at half size; its boxes move with it and stay on its pixels."""
+    h, w = 64, 64
+    examples = [_example(h, w, [[8 + 4 * i, 10, 30 + 4 * i, 40]], labels=[i]) for i in range(4)]
+    opts = _opts(scale_jitter=(0.5, 2.0), horizontal_flip=True)
+    single = transforms.train_transform(examples[0], tf.constant([1, 2], tf.int64), opts)
+    seen_tiles = set()
+    for s in range(12):
+        out = transforms.mosaic_transform(examples, tf.constant([s, 2], tf.int64), opts)
+        assert {k: (v.shape, v.dtype) for k, v in out.items()} == {k: (v.shape, v.dtype) for k, v in single.items()}
+        image = out["image"].numpy()
+        np.testing.assert_array_equal(out["image_hw"], [64, 64])
+        np.testing.assert_array_equal(out["source_hw"], [64, 64])
+        boxes, labels = out["boxes"].numpy()[out["boxes_mask"]], out["labels"].numpy()[out["boxes_mask"]]
+        for box, label in zip(boxes, labels):
+            # Label i is example i's box: it lies in tile i (row-major halves of the 64 x 64 canvas).
+            row, column = divmod(int(label), 2)
+            assert row * 32 <= box[0] <= box[2] <= row * 32 + 32 and column * 32 <= box[1] <= box[3] <= column * 32 + 32
+            tile = image[row * 32 : row * 32 + 32, column * 32 : column * 32 + 32]  # not a neighbour's edge
+            offset = np.float32([row * 32, column * 32] * 2)
+            np.testing.assert_allclose(_bright_extent(tile, box - offset) + offset, box, atol=1.5)
+            seen_tiles.add(int(label))
+        # No bright pixel belongs to no box: every tile's pixels came with its boxes.
+        covered = np.zeros((64, 64), bool)
+        for y0, x0, y1, x1 in np.round(boxes).astype(int):
+            covered[max(0, y0 - 1) : y1 + 1, max(0, x0 - 1) : x1 + 1] = True
+        assert not (image[..., 0] > 127)[~covered].any()
+        again = transforms.mosaic_transform(examples, tf.constant([s, 2], tf.int64), opts)
+        for key in out:
+            np.testing.assert_array_equal(again[key], out[key], err_msg=key)
+    assert seen_tiles == {0, 1, 2, 3}
+
+
+def test_mosaic_keeps_the_first_max_boxes_and_says_when_it_cut():
+    rects = [[4, 4 + 10 * i, 20, 12 + 10 * i] for i in range(3)]  # 3 boxes an example, 12 a mosaic
+    examples = [_example(64, 64, rects) for _ in range(4)]
+    out = transforms.mosaic_transform(examples, tf.constant([0, 0], tf.int64), _opts(max_boxes=8))
+    assert int(out["boxes_mask"].numpy().sum()) == 8 and bool(out["boxes_truncated"])
+    # The kept ones are tiles 0, 1 and 2's, in tile order: tile 0's first.
+    assert np.all(out["boxes"].numpy()[:3, :2] < 32)
+    roomy = transforms.mosaic_transform(examples, tf.constant([0, 0], tf.int64), _opts(max_boxes=16))
+    assert int(roomy["boxes_mask"].numpy().sum()) == 12 and not bool(roomy["boxes_truncated"])
