@@ -148,12 +148,15 @@ def test_spatial_partitioning_trains_identically():
 
 
 def test_dino_trains_identically_on_a_2x2x2_mesh():
-    """Denoising and deformable attention with heads, FFN and widths split: same as one device.
+    """Denoising, the one-to-many branch and deformable attention with heads, FFN and widths split: same as
+    one device.
 
     Proposal selection and matching are held fixed (`fixed_dino_decisions`);
     their own sharding is tested in tests/detector/ops and tests/detector/models.
     """
     config = dino_tiny.get_config()
     config.global_batch_size = 4
+    # Every training option on (the class loss is the recipe's): 6 copies of the 16 box slots.
+    config.model.dino.one_to_many_queries = max(config.model.dino.one_to_many_queries, 96)
     with fixed_dino_decisions():
         check_sharded_training(config, (2, 2, 2), DINO_SPECS, DINO_COLLECTIVES)
