@@ -15,6 +15,13 @@ backbone at x0.1, global batch 16 for 12 epochs (88,700 steps) with a x0.1
 step at epoch 11; inputs padded to a static 1024x1024 with flips and scale
 jitter (the paper's multi-scale 480-800 px resize is a dynamic shape).
 
+Training options this recipe leaves at DINO's until measured on COCO (each
+lost AP per wall second on the tiny DINO, see configs/dino_tiny.py): H-DETR's
+one-to-many branch (`--config.model.dino.one_to_many_queries=1500`, 6
+repeats: +1.5-2.5 AP at 12 epochs in its paper), DEIM's mosaics
+(`--config.input.mosaic_probability=0.5`) and quality-aware class losses
+(`--config.loss.set_prediction.class_loss=mal` or `varifocal`).
+
 DINO fine-tunes ImageNet weights with frozen BatchNorm and a frozen stem and
 first stage (detectron2's FREEZE_AT=2); the recipe does, and the weights come
 from one offline conversion of torchvision's ResNet-50:
