@@ -165,19 +165,23 @@ def objective(config, model: nn.Module, num_classes: int) -> Objective:
                 }
         outputs = model.apply({"params": params}, batch["image"], denoising_inputs, one_to_many=bool(one_to_many))
 
+        def matched_losses(logits, boxes, gt_labels, gt_boxes, gt_mask, num_boxes):
+            """Each of the K sets `[K, B, N, ...]` Hungarian-matched on its own, then its set loss terms `[K]`."""
+            stopped = jax.lax.stop_gradient
+            with jax.named_scope("matching"):
+                _, query_to_gt = jax.vmap(
+                    lambda lg, bx: matching.match_batch(lg, bx, gt_labels, gt_boxes, gt_mask, **match_weights)
+                )(stopped(logits), stopped(boxes))
+            query_mask = jnp.broadcast_to(batch["example_mask"][:, None], query_to_gt.shape[1:])
+            with jax.named_scope("loss"):
+                return jax.vmap(lambda lg, bx, q: set_loss(lg, bx, gt_labels, gt_boxes, q, num_boxes, query_mask)[1])(
+                    logits, boxes, query_to_gt
+                )
+
         # Every decoder layer and the encoder proposals are matched on their own.
         all_logits = jnp.concatenate([outputs["logits"], outputs["encoder_logits"][None]])
         all_boxes = jnp.concatenate([outputs["boxes"], outputs["encoder_boxes"][None]])
-        stopped = jax.lax.stop_gradient
-        with jax.named_scope("matching"):
-            _, query_to_gt = jax.vmap(
-                lambda lg, bx: matching.match_batch(lg, bx, labels, gt_boxes, gt_mask, **match_weights)
-            )(stopped(all_logits), stopped(all_boxes))
-        query_mask = jnp.broadcast_to(batch["example_mask"][:, None], query_to_gt.shape[1:])
-        with jax.named_scope("loss"):
-            _, matched = jax.vmap(lambda lg, bx, q: set_loss(lg, bx, labels, gt_boxes, q, divisor, query_mask))(
-                all_logits, all_boxes, query_to_gt
-            )
+        matched = matched_losses(all_logits, all_boxes, labels, gt_boxes, gt_mask, divisor)
         terms = {
             "cls_loss": jnp.sum(matched["cls_loss"]),
             "box_loss": jnp.sum(matched["l1_loss"]) + jnp.sum(matched["giou_loss"]),
@@ -203,17 +207,14 @@ def objective(config, model: nn.Module, num_classes: int) -> Objective:
             def repeated(x):
                 return jnp.tile(x, (1, repeats) + (1,) * (x.ndim - 2))
 
-            many_labels, many_boxes, many_mask = repeated(labels), repeated(gt_boxes), repeated(gt_mask)
-            many_logits, many_pred = outputs["one_to_many_logits"], outputs["one_to_many_boxes"]
-            with jax.named_scope("matching"):
-                _, many_to_gt = jax.vmap(
-                    lambda lg, bx: matching.match_batch(lg, bx, many_labels, many_boxes, many_mask, **match_weights)
-                )(stopped(many_logits), stopped(many_pred))
-            many_query_mask = jnp.broadcast_to(batch["example_mask"][:, None], many_to_gt.shape[1:])
-            with jax.named_scope("loss"):
-                _, many = jax.vmap(
-                    lambda lg, bx, q: set_loss(lg, bx, many_labels, many_boxes, q, divisor * repeats, many_query_mask)
-                )(many_logits, many_pred, many_to_gt)
+            many = matched_losses(
+                outputs["one_to_many_logits"],
+                outputs["one_to_many_boxes"],
+                repeated(labels),
+                repeated(gt_boxes),
+                repeated(gt_mask),
+                divisor * repeats,
+            )
             many_cls = weights.one_to_many_weight * jnp.sum(many["cls_loss"])
             many_box = weights.one_to_many_weight * (jnp.sum(many["l1_loss"]) + jnp.sum(many["giou_loss"]))
             terms["cls_loss"] += many_cls
