@@ -213,6 +213,8 @@ def base_config() -> ml_collections.ConfigDict:
     # are 2 x 2 mosaics of four (each tile scale-jittered at half the size),
     # for the first mosaic_until of total_steps; the rest of the run trains
     # on single images, as DEIM stops its mosaics for the last epochs. 0: off.
+    # A mosaic decodes four images on the host, and an undecodable one masks
+    # every mosaic it is drawn into (counted against max_bad_fraction).
     config.input.mosaic_probability = 0.0
     config.input.mosaic_until = 0.5
     # Training ships the decoded pixels a crop window needs and the train step

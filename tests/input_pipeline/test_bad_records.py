@@ -164,3 +164,22 @@ def test_a_stream_of_undecodable_images_stops(tmp_path):
         for _ in range(64):
             next(train_iter)
     assert train_iter.input_counts.examples >= 256  # stops on evidence, not on the first bad file
+
+
+def test_a_mosaic_with_an_undecodable_tile_is_a_masked_counted_slot(tmp_path):
+    """A truncated JPEG spoils every mosaic it is drawn into (about 4x its share of the single-image stream):
+    each such slot is masked and counted as decode_failed, the others train."""
+    cases = {f"good{i}.png": (_encoded(seed=i), GOOD) for i in range(7)}
+    cases["truncated.jpg"] = (_encoded(fmt="JPEG", seed=9)[:-400], GOOD)
+    overrides = {"input.mosaic_probability": 1.0, "input.mosaic_until": 1.0, "total_steps": 100}
+    train_iter = input_pipeline.create_train_iterator(_config(tmp_path, cases, **overrides))
+    batches = [next(train_iter) for _ in range(8)]  # 64 examples, 8 epochs of the 8 records
+    failed = train_iter.input_counts.counts["decode_failed"]
+    assert 8 < failed < 48  # single images: 8 (one per epoch); mosaics: 1 - (7/8)^4 = 41% of 64, not all
+    masks = np.concatenate([b["example_mask"] for b in batches])
+    assert int((~masks).sum()) == failed
+    for batch in batches:
+        masked = ~batch["example_mask"]
+        assert not batch["boxes_mask"][masked].any()
+        # A whole mosaic holds four boxes, one from each tile.
+        assert (batch["boxes_mask"][~masked].sum(-1) == 4).all()
