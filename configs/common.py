@@ -349,6 +349,11 @@ def base_config() -> ml_collections.ConfigDict:
     # Validation images shown in TensorBoard at every evaluation (predictions |
     # ground truth); the first ones of the eval split, the same every time.
     config.eval_pictures = 4
+    # Score evaluations (COCO AP on process 0) in a background thread while
+    # training goes on; the metrics and the best checkpoint land at the next log
+    # step, written with the step they belong to. The evaluated parameters stay
+    # on the devices until then (one more copy of them). False: score in place.
+    config.background_scoring = True
     return config
 
 

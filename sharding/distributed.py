@@ -122,6 +122,43 @@ def initialize(options: DistributedOptions, environ=None) -> bool:
     return True
 
 
+def send_to_primary(key: str, payload: bytes, *, timeout_s: float = 600.0) -> list[bytes] | None:
+    """Collects every process's `payload` on process 0 only, without a collective on the devices.
+
+    Host data that only process 0 needs (an evaluation's detections) goes
+    through the coordination service's key-value store, which JAX itself uses
+    to share compiled programs between processes: the other processes put
+    their bytes and go on at once; process 0 blocks until each has arrived
+    (so it can do this off the training thread) and deletes them. `key` must
+    be unique per exchange and the same on every process.
+
+    Returns:
+      On process 0 the payloads of processes 0..P-1 in order; None elsewhere.
+    Raises:
+      DistributedError: a process's payload did not arrive within `timeout_s`.
+    """
+    if jax.process_count() == 1:
+        return [payload]
+    from jax._src import distributed as jax_distributed  # the client JAX's own compilation cache shares through
+
+    client = jax_distributed.global_state.client
+    if jax.process_index() != 0:
+        client.key_value_set_bytes(f"detector/{key}/{jax.process_index()}", payload)
+        return None
+    received = [payload]
+    for process in range(1, jax.process_count()):
+        name = f"detector/{key}/{process}"
+        try:
+            received.append(client.blocking_key_value_get_bytes(name, int(timeout_s * 1000)))
+        except Exception as e:  # noqa: BLE001  the client raises XlaRuntimeError subclasses
+            raise DistributedError(
+                f"process {process} did not send {key!r} within {timeout_s:.0f}s ({str(e).splitlines()[0][:200]}); "
+                "it may have died: see its log"
+            ) from e
+        client.key_value_delete(name)
+    return received
+
+
 def describe() -> str:
     """One line on what this process sees after joining (for logs and the launch check)."""
     return (

@@ -1,14 +1,14 @@
-"""COCO evaluation: run the eval split once, gather detections, score with pycocotools.
+"""COCO evaluation: predict the eval split, keep the detections as arrays, score them with `box_ap`.
 
 Every process runs the same number of eval batches (the pipeline pads with
-masked examples); detections are gathered to every host, and process 0 maps
-them back to original image pixels and scores them against the ground truth.
+masked examples) and keeps the detections of the rows its devices hold,
+mapped back to original image pixels; process 0 alone collects them
+(`sharding.distributed.send_to_primary`: no device collective, the other
+processes go on at once) and scores them against the ground truth.
 """
 
 from __future__ import annotations
 
-import collections
-import contextlib
 import dataclasses
 import io
 import logging
@@ -18,50 +18,103 @@ from typing import Any
 
 import jax
 import numpy as np
-from jax.experimental import multihost_utils
-from pycocotools.coco import COCO
-from pycocotools.cocoeval import COCOeval
 
+from detector.serving import box_ap
+from detector.serving.box_ap import CocoDetections, CocoGroundTruth
 from input_pipeline import box_geometry
+from sharding import distributed
 from sharding.tables import aligned_table
 
-# pycocotools' `stats` vector, in its order.
-COCO_METRIC_NAMES = ("AP", "AP50", "AP75", "APs", "APm", "APl", "AR1", "AR10", "AR100", "ARs", "ARm", "ARl")
+COCO_METRIC_NAMES = box_ap.STAT_NAMES
 
 
-def detections_to_coco(outputs: Mapping[str, np.ndarray], label_to_category_id: Sequence[int]) -> list[dict[str, Any]]:
-    """COCO results (`[{image_id, category_id, bbox [x,y,w,h], score}]`) in original pixels.
+def _host_rows(x: Any) -> np.ndarray:
+    """The rows of a batch-sharded output that this process's devices hold (all rows in one process)."""
+    if not isinstance(x, jax.Array) or x.is_fully_addressable:
+        return np.asarray(x)
+    by_first_row = {}
+    for shard in x.addressable_shards:  # devices holding the same rows (model axes) hold copies
+        by_first_row.setdefault(shard.index[0].start or 0, shard)
+    return np.concatenate([np.asarray(by_first_row[row].data) for row in sorted(by_first_row)])
+
+
+@dataclasses.dataclass(frozen=True)
+class Predictions:
+    """Detections of a set of images, and which images were evaluated.
+
+    Attributes:
+      detections: in original image pixels (a COCO results file's content).
+      image_ids: int64 [n] every evaluated image, detections or not.
+    """
+
+    detections: CocoDetections
+    image_ids: np.ndarray
+
+    @classmethod
+    def concatenate(cls, parts: Sequence[Predictions]) -> Predictions:
+        return cls(
+            CocoDetections.concatenate([p.detections for p in parts]),
+            np.concatenate([np.zeros([0], np.int64), *(p.image_ids for p in parts)]),
+        )
+
+    def to_bytes(self) -> bytes:
+        buffer = io.BytesIO()
+        np.savez(buffer, image_ids=self.image_ids, **dataclasses.asdict(self.detections))
+        return buffer.getvalue()
+
+    @classmethod
+    def from_bytes(cls, payload: bytes) -> Predictions:
+        with np.load(io.BytesIO(payload)) as arrays:
+            fields = {f.name: arrays[f.name] for f in dataclasses.fields(CocoDetections)}
+            return cls(CocoDetections(**fields), arrays["image_ids"])
+
+
+def batch_predictions(outputs: Mapping[str, Any], label_to_category_id: Sequence[int]) -> Predictions:
+    """The detections of a batch's real examples in original pixels, COCO style.
 
     Args:
-      outputs: numpy arrays from `predict_step` for a batch: boxes `[B,D,4]` in
-        network pixels, scores/classes/valid `[B,D]`, image_id/scale/example_mask
+      outputs: `predict_step` outputs for a batch (numpy, or global arrays of
+        which this process's rows are taken): boxes `[B,D,4]` yxyx in network
+        pixels, scores/classes/valid `[B,D]`, image_id/scale/example_mask
         `[B]`, original_size `[B,2]` (h, w).
       label_to_category_id: contiguous label -> the dataset's category id.
+    Returns:
+      Boxes clipped to the image and rounded to 1/1000 pixel, scores to 1e-5
+      (what a COCO results file holds), in row-then-rank order.
     """
-    results = []
-    for i in np.flatnonzero(outputs["example_mask"]):
-        keep = outputs["valid"][i]
-        if not keep.any():
-            continue
-        height, width = outputs["original_size"][i]
-        # Host-side numpy: a few hundred boxes per image are not worth a device dispatch.
-        boxes_yxyx = np.asarray(outputs["boxes"][i][keep], np.float64) / float(outputs["scale"][i])
-        boxes_xywh = box_geometry.yxyx_to_xywh(box_geometry.clip(boxes_yxyx, float(height), float(width)))
-        for box, score, label in zip(boxes_xywh, outputs["scores"][i][keep], outputs["classes"][i][keep]):
-            results.append(
-                {
-                    "image_id": int(outputs["image_id"][i]),
-                    "category_id": int(label_to_category_id[int(label)]),
-                    "bbox": [round(float(v), 3) for v in box],
-                    "score": round(float(score), 5),
-                }
-            )
-    return results
+    rows = {k: _host_rows(outputs[k]) for k in ("boxes", "scores", "classes", "valid", "image_id", "scale")}
+    rows["example_mask"] = _host_rows(outputs["example_mask"]).astype(bool)
+    rows["original_size"] = _host_rows(outputs["original_size"])
+    image, rank = np.nonzero(rows["valid"].astype(bool) & rows["example_mask"][:, None])
+    boxes_yxyx = rows["boxes"][image, rank].astype(np.float64) / rows["scale"][image].astype(np.float64)[:, None]
+    size = rows["original_size"][image].astype(np.float64)
+    boxes_xywh = box_geometry.yxyx_to_xywh(box_geometry.clip(boxes_yxyx, size[:, 0], size[:, 1]))
+    category_ids = np.asarray(label_to_category_id, np.int64)
+    detections = CocoDetections(
+        image_ids=rows["image_id"][image].astype(np.int64),
+        category_ids=category_ids[rows["classes"][image, rank].astype(np.int64)],
+        boxes_xywh=np.round(boxes_xywh, 3),
+        scores=np.round(rows["scores"][image, rank].astype(np.float64), 5),
+    )
+    return Predictions(detections, rows["image_id"][rows["example_mask"]].astype(np.int64))
+
+
+def to_results(detections: CocoDetections) -> list[dict[str, Any]]:
+    """A COCO results list (`[{image_id, category_id, bbox [x,y,w,h], score}]`) of `detections`."""
+    return [
+        {"image_id": int(i), "category_id": int(c), "bbox": [float(v) for v in box], "score": float(s)}
+        for i, c, box, s in zip(detections.image_ids, detections.category_ids, detections.boxes_xywh, detections.scores)
+    ]
+
+
+def detections_to_coco(outputs: Mapping[str, Any], label_to_category_id: Sequence[int]) -> list[dict[str, Any]]:
+    """COCO results of a batch's outputs in original pixels (see `batch_predictions`)."""
+    return to_results(batch_predictions(outputs, label_to_category_id).detections)
 
 
 @dataclasses.dataclass(frozen=True)
 class CocoEvaluation:
-    """pycocotools' bbox evaluation of one set of detections.
+    """The COCO bbox evaluation of one set of detections.
 
     Attributes:
       metrics: COCO_METRIC_NAMES -> value in 0-1 (-1 where a size range has no ground truth).
@@ -74,66 +127,80 @@ class CocoEvaluation:
     per_class: dict[int, dict[str, float]]
 
 
-def coco_evaluation(
-    ground_truth: dict[str, Any], results: list[dict[str, Any]], image_ids: Sequence[int] | None = None
+def score(
+    ground_truth: CocoGroundTruth, detections: CocoDetections, image_ids: np.ndarray | Sequence[int] | None = None
 ) -> CocoEvaluation:
-    """Scores COCO `results` (`detections_to_coco`) against a COCO-format `ground_truth` dict.
+    """Scores `detections` on `image_ids` (default: every ground-truth image); see `box_ap.evaluate`.
 
-    `image_ids`: the images that were evaluated (default: all of the ground
-    truth's); images the pipeline could not read are left out this way
-    instead of counting their objects as missed.
+    `image_ids`: the images that were evaluated; images the pipeline could not
+    read are left out this way instead of counting their objects as missed.
     """
-    evaluated = sorted(
-        {
-            int(i)
-            for i in (image_ids if image_ids is not None else (image["id"] for image in ground_truth.get("images", [])))
-        }
-    )
-    instances = collections.Counter(
-        int(a["category_id"])
-        for a in ground_truth.get("annotations", [])
-        if int(a["image_id"]) in set(evaluated) and not a.get("iscrowd", 0)
-    )
-    category_ids = [int(c["id"]) for c in ground_truth.get("categories", [])]
-    if not results:
+    evaluated = np.unique(np.asarray(ground_truth.image_ids if image_ids is None else image_ids, np.int64).reshape(-1))
+    instances = ground_truth.instances(evaluated)
+    if not len(detections):
         return CocoEvaluation(
             {name: 0.0 for name in COCO_METRIC_NAMES},
-            {c: {"AP": 0.0, "AP50": 0.0, "AP75": 0.0, "instances": instances[c]} for c in category_ids},
+            {c: {"AP": 0.0, "AP50": 0.0, "AP75": 0.0, "instances": n} for c, n in instances.items()},
         )
-    with contextlib.redirect_stdout(io.StringIO()):  # pycocotools prints progress
-        gt = COCO()
-        gt.dataset = ground_truth
-        gt.createIndex()
-        dt = gt.loadRes(results)
-        evaluator = COCOeval(gt, dt, iouType="bbox")
-        evaluator.params.imgIds = evaluated
-        evaluator.evaluate()
-        evaluator.accumulate()
-        evaluator.summarize()
-    # precision: [IoU thresholds 0.5:0.95, recall points, classes, area ranges, max detections];
-    # area range 0 is "all", max detections -1 is 100; -1 marks "no ground truth".
-    precision = evaluator.eval["precision"]
+    result = box_ap.evaluate(ground_truth, detections, evaluated)
+    per_class = {c: {**values, "instances": instances[c]} for c, values in result.per_class().items()}
+    return CocoEvaluation(dict(result.stats), per_class)
 
-    def mean_precision(values: np.ndarray) -> float:
-        values = values[values > -1]
-        return float(values.mean()) if values.size else -1.0
 
-    per_class = {}
-    for k, category_id in enumerate(evaluator.params.catIds):
-        per_class[int(category_id)] = {
-            "AP": mean_precision(precision[:, :, k, 0, -1]),
-            "AP50": mean_precision(precision[0, :, k, 0, -1]),
-            "AP75": mean_precision(precision[5, :, k, 0, -1]),
-            "instances": instances[int(category_id)],
-        }
-    return CocoEvaluation({name: float(v) for name, v in zip(COCO_METRIC_NAMES, evaluator.stats)}, per_class)
+def coco_evaluation(
+    ground_truth: Mapping[str, Any] | CocoGroundTruth,
+    results: Sequence[Mapping[str, Any]] | CocoDetections,
+    image_ids: Sequence[int] | None = None,
+) -> CocoEvaluation:
+    """Scores COCO `results` (a results list or `CocoDetections`) against COCO-format `ground_truth`.
+
+    The numbers are pycocotools' COCOeval bbox numbers (see `box_ap`).
+    `image_ids`: the images that were evaluated (default: all of the ground truth's).
+    """
+    if not isinstance(ground_truth, CocoGroundTruth):
+        ground_truth = CocoGroundTruth.from_coco(ground_truth)
+    if not isinstance(results, CocoDetections):
+        results = CocoDetections.from_results(results)
+    return score(ground_truth, results, image_ids)
 
 
 def coco_metrics(
-    ground_truth: dict[str, Any], results: list[dict[str, Any]], image_ids: Sequence[int] | None = None
+    ground_truth: Mapping[str, Any] | CocoGroundTruth,
+    results: Sequence[Mapping[str, Any]] | CocoDetections,
+    image_ids: Sequence[int] | None = None,
 ) -> dict[str, float]:
-    """pycocotools bbox metrics (0-1; -1 where a size range has no ground truth); see `coco_evaluation`."""
+    """COCO bbox metrics (0-1; -1 where a size range has no ground truth); see `coco_evaluation`."""
     return coco_evaluation(ground_truth, results, image_ids).metrics
+
+
+def predict_local(
+    predict: Callable[[Any, dict[str, jax.Array]], dict[str, jax.Array]],
+    params: Any,
+    global_batches: Iterable[dict[str, jax.Array]],
+    *,
+    label_to_category_id: Sequence[int],
+) -> Predictions:
+    """Runs `predict` over every batch; returns the predictions of this process's rows.
+
+    Args:
+      predict: compiled `(params, global_batch) -> outputs` (see `steps.predict_step`).
+      global_batches: sharded global batches, the same count on every process.
+    """
+    parts = [batch_predictions(predict(params, batch), label_to_category_id) for batch in global_batches]
+    return Predictions.concatenate(parts)
+
+
+def gather_predictions(local: Predictions, key: str) -> Predictions | None:
+    """Every process's `local` predictions on process 0 (None elsewhere); see `distributed.send_to_primary`.
+
+    `key`: unique per evaluation and the same on every process.
+    """
+    received = distributed.send_to_primary(key, local.to_bytes() if jax.process_count() > 1 else b"")
+    if received is None:
+        return None
+    if jax.process_count() == 1:
+        return local
+    return Predictions.concatenate([Predictions.from_bytes(payload) for payload in received])
 
 
 def predict_all(
@@ -142,50 +209,20 @@ def predict_all(
     global_batches: Iterable[dict[str, jax.Array]],
     *,
     label_to_category_id: Sequence[int],
-) -> tuple[list[dict[str, Any]], list[int]] | None:
-    """Runs `predict` over every batch; on process 0 returns (COCO results, evaluated image ids), elsewhere None.
-
-    Args:
-      predict: compiled `(params, global_batch) -> outputs` (see `steps.predict_step`).
-      global_batches: sharded global batches, the same count on every process.
-    """
-    results: list[dict[str, Any]] = []
-    image_ids: list[int] = []
-    for batch in global_batches:
-        outputs = predict(params, batch)
-        # Every process takes part in the gather; only process 0 needs the result.
-        outputs = multihost_utils.process_allgather(outputs, tiled=True)
-        if jax.process_index() == 0:
-            image_ids.extend(int(i) for i in outputs["image_id"][outputs["example_mask"]])
-            results.extend(detections_to_coco(outputs, label_to_category_id))
-    return (results, image_ids) if jax.process_index() == 0 else None
-
-
-def evaluate(
-    predict: Callable[[Any, dict[str, jax.Array]], dict[str, jax.Array]],
-    params: Any,
-    global_batches: Iterable[dict[str, jax.Array]],
-    *,
-    ground_truth: dict[str, Any] | None,
-    label_to_category_id: Sequence[int],
-) -> dict[str, float] | None:
-    """Runs `predict` over every eval batch and scores on process 0.
-
-    Args:
-      predict: compiled `(params, global_batch) -> outputs` (see `steps.predict_step`).
-      global_batches: the eval split as sharded global batches, same count on every process.
-      ground_truth: COCO ground-truth dict (needed on process 0 only).
-    Returns:
-      COCO metrics on process 0, None elsewhere.
-    """
+    key: str = "predict_all",
+) -> Predictions | None:
+    """`predict_local` on every process, gathered to process 0 (None elsewhere)."""
     start = time.perf_counter()
-    predicted = predict_all(predict, params, global_batches, label_to_category_id=label_to_category_id)
-    if predicted is None:
-        return None
-    results, image_ids = predicted
-    metrics = coco_metrics(ground_truth, results, image_ids)
-    logging.info("eval: %d images, %d detections, %.1fs", len(image_ids), len(results), time.perf_counter() - start)
-    return metrics
+    local = predict_local(predict, params, global_batches, label_to_category_id=label_to_category_id)
+    gathered = gather_predictions(local, key)
+    if gathered is not None:
+        logging.info(
+            "predicted %d images, %d detections in %.1fs",
+            len(gathered.image_ids),
+            len(gathered.detections),
+            time.perf_counter() - start,
+        )
+    return gathered
 
 
 def format_table(header: Sequence[str], rows: Sequence[Sequence[Any]]) -> str:

@@ -173,17 +173,18 @@ def evaluate_workdir(
     )
     if predicted is None:
         return None
-    results, image_ids = predicted
     ground_truth = input_pipeline.coco_ground_truth(config)
-    scored = coco_evaluation.coco_evaluation(ground_truth, results, image_ids)
     names = {int(c["id"]): str(c.get("name", c["id"])) for c in ground_truth.get("categories", [])}
+    scored = coco_evaluation.coco_evaluation(ground_truth, predicted.detections, predicted.image_ids)
+    del ground_truth  # scored from columns; the dicts are not needed any more
+    results = coco_evaluation.to_results(predicted.detections)
     report = {
         "workdir": str(workdir),
         "checkpoint": str(checkpoint),
         "step": predictor.step,
         "dataset": config.dataset.name,
-        "images": len(set(image_ids)),
-        "detections": len(results),
+        "images": len(np.unique(predicted.image_ids)),
+        "detections": len(predicted.detections),
         "metrics": scored.metrics,
         "per_class": [
             {"category_id": c, "name": names.get(c, str(c)), **values} for c, values in sorted(scored.per_class.items())

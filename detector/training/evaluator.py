@@ -1,11 +1,18 @@
 """Evaluation inside a training run: COCO metrics, the best parameters, TensorBoard pictures, plots.
 
-Every process takes part (predicting is sharded, the best checkpoint is
-saved by all); process 0 alone scores with pycocotools and writes files.
+Every process takes part in predicting (sharded) and in saving the best
+checkpoint; process 0 alone collects the detections and scores them, in a
+background thread while training goes on (`background_scoring`), and writes
+files. The score lands at the next point where every process asks for it
+(`Evaluator.record_finished`: the loop asks at every log step, before the
+next evaluation and at the end), written with the step it belongs to.
 """
 
 from __future__ import annotations
 
+import concurrent.futures
+import dataclasses
+import time
 from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
@@ -18,12 +25,16 @@ from jax.experimental import multihost_utils
 import input_pipeline
 import sharding
 from detector.serving import coco_evaluation, drawing
+from detector.serving.box_ap import CocoGroundTruth
 from detector.training import checkpointing, plots
 from detector.training.metric_writers import MetricWriter
 from input_pipeline.progress import track
 
 # The metrics of eval_metrics.jsonl and the log line, in their order.
 LOGGED_METRICS = ("AP", "AP50", "AP75", "APs", "APm", "APl", "AR100")
+
+# What process 0 tells the others about the pending scoring.
+_PENDING, _SCORED, _FAILED = 0, 1, 2
 
 
 class EvaluationInterrupted(Exception):
@@ -35,7 +46,7 @@ class EvaluationInterrupted(Exception):
 
 
 def _until_stop(batches: Iterable, stop_requested: Callable[[], bool], step: int, num_batches: int) -> Iterator:
-    """`batches`, asking `stop_requested` before each one and once after the last (scoring can take minutes)."""
+    """`batches`, asking `stop_requested` before each one and once after the last."""
     done = 0
     if stop_requested():
         raise EvaluationInterrupted(step, done, num_batches)
@@ -46,8 +57,34 @@ def _until_stop(batches: Iterable, stop_requested: Callable[[], bool], step: int
             raise EvaluationInterrupted(step, done, num_batches)
 
 
+@dataclasses.dataclass
+class _Scoring:
+    """An evaluation whose predictions are made and whose score is not yet recorded.
+
+    `params` are the evaluated parameters, held (on the devices, one more copy
+    of them) until the score decides whether they become the best checkpoint.
+    """
+
+    step: int
+    params: Any
+    future: concurrent.futures.Future | None  # process 0 only
+    started: float
+
+
+def score_predictions(
+    ground_truth: CocoGroundTruth, local: coco_evaluation.Predictions, key: str
+) -> coco_evaluation.CocoEvaluation:
+    """Process 0's scoring job: the other processes' predictions, then COCO metrics of them all."""
+    gathered = coco_evaluation.gather_predictions(local, key)
+    return coco_evaluation.score(ground_truth, gathered.detections, gathered.image_ids)
+
+
 class Evaluator:
-    """Runs the eval split through the compiled predict step at a training step and records the result."""
+    """Runs the eval split through the compiled predict step at a training step and records the result.
+
+    `score` is process 0's scoring job (`score_predictions`); it runs on a
+    worker thread when the config's `background_scoring` is on.
+    """
 
     def __init__(
         self,
@@ -61,6 +98,7 @@ class Evaluator:
         data_report: Any,
         best_manager: Any,
         is_primary: bool,
+        score: Callable[[CocoGroundTruth, coco_evaluation.Predictions, str], Any] | None = None,
     ):
         self._config = input_pipeline.with_batch_size(config, config.eval_batch_size)
         self._workdir = workdir
@@ -74,22 +112,42 @@ class Evaluator:
         self._best_manager = best_manager
         self._is_primary = is_primary
         self._ema = float(config.optimizer.ema_decay) > 0
-        self._ground_truth = input_pipeline.coco_ground_truth(config) if is_primary else None
+        self._background = bool(config.background_scoring)
+        self._score = score or score_predictions
+        # Columns, not COCO dicts: the ground truth of a large validation set is mostly its boxes.
+        self._ground_truth = CocoGroundTruth.from_coco(input_pipeline.coco_ground_truth(config)) if is_primary else None
+        self._worker = (
+            concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="coco_scoring")
+            if is_primary
+            else None
+        )
+        self._pending: _Scoring | None = None
+        self._evaluations = 0
         self._pictures = _EvalPictures(
             int(config.eval_pictures), self._config, mesh, dataset_info.class_names, enabled=is_primary
         )
+
+    @property
+    def pending_step(self) -> int | None:
+        """The step whose score is being computed, if any."""
+        return self._pending.step if self._pending else None
 
     def __call__(
         self, step: int, params: Any, stop_requested: Callable[[], bool] = lambda: False
     ) -> dict[str, float] | None:
         """Evaluates `params` (of training step `step`: the EMA ones when the run keeps an EMA).
 
-        `stop_requested` is asked before every batch, on every process at the
-        same points; when it says yes, the evaluation stops there and raises
-        `EvaluationInterrupted`, having recorded nothing.
+        Waits for an earlier evaluation's score first (at most one is pending),
+        predicts the eval split, then scores it: in the background, or here when
+        `background_scoring` is off. `stop_requested` is asked before every
+        batch, on every process at the same points; when it says yes, the
+        evaluation stops there and raises `EvaluationInterrupted`, having
+        recorded nothing of this step.
 
-        Returns the COCO metrics on process 0, else None.
+        Returns the metrics recorded by this call on process 0 (the earlier
+        evaluation's, or this one's when scored here), else None.
         """
+        recorded = self.record_finished(wait=True)
         eval_iter = input_pipeline.create_eval_iterator(
             self._config,
             first_row=input_pipeline.process_rows(self._batch_sharding, self._config.global_batch_size),
@@ -111,30 +169,80 @@ class Evaluator:
         )
         batches = _until_stop(batches, stop_requested, step, eval_iter.num_batches)
         global_batches = (input_pipeline.to_global_batch(b, self._mesh, self._batch_axes) for b in batches)
-        metrics = coco_evaluation.evaluate(
-            self._predict,
-            params,
-            global_batches,
-            ground_truth=self._ground_truth,
-            label_to_category_id=self._dataset_info.label_to_category_id,
+        start = time.perf_counter()
+        local = coco_evaluation.predict_local(
+            self._predict, params, global_batches, label_to_category_id=self._dataset_info.label_to_category_id
         )
         self._data_report.update("eval", eval_iter.input_counts)
-        # Only process 0 scores; every process takes part in saving the best parameters.
-        ap = float(multihost_utils.broadcast_one_to_all(np.float32(metrics["AP"] if metrics else 0.0)))
-        checkpointing.save_if_best(self._best_manager, step, params, ap)
-        if metrics is not None:
-            summary = {k: metrics[k] for k in LOGGED_METRICS}
-            logging.info(
-                "eval step %d%s: %s",
-                step,
-                " (EMA parameters)" if self._ema else "",
-                " ".join(f"{k} {v:.3f}" for k, v in summary.items()),
-            )
-            self._writer.write_eval(step, summary)
         self._pictures.write(step, self._predict, params, self._writer)
+        self._evaluations += 1
+        key = f"eval/{step}/{self._evaluations}"
         if self._is_primary:
-            plots.write_training_plots(self._workdir)
+            future = self._worker.submit(self._score, self._ground_truth, local, key)
+            logging.info(
+                "eval step %d: predicted in %.1fs; scoring %s",
+                step,
+                time.perf_counter() - start,
+                "in the background" if self._background else "now",
+            )
+        else:
+            future = None
+            coco_evaluation.gather_predictions(local, key)  # sends, does not wait
+        if self._background:
+            # The train step donates the state's buffers: the score decides on a copy.
+            params = jax.tree.map(lambda x: x.copy(), params)
+        self._pending = _Scoring(step, params, future, time.perf_counter())
+        if not self._background:
+            recorded = self.record_finished(wait=True)
+        return recorded
+
+    def record_finished(self, *, wait: bool) -> dict[str, float] | None:
+        """Records the pending evaluation if its score is ready (or, with `wait`, once it is).
+
+        Every process must call this at the same points: process 0 tells the
+        others whether the score is in, and all then offer the evaluated
+        parameters to the best checkpoint (a collective save). Returns the
+        recorded metrics on process 0, else None.
+        """
+        if self._pending is None:
+            return None
+        pending = self._pending
+        status, ap, metrics = _PENDING, 0.0, None
+        if self._is_primary and (wait or pending.future.done()):
+            try:
+                evaluation = pending.future.result()
+                metrics, ap, status = evaluation.metrics, float(evaluation.metrics["AP"]), _SCORED
+            except Exception:  # noqa: BLE001  a failed scoring loses this evaluation, not the run
+                logging.exception("scoring the evaluation of step %d failed; it is not recorded", pending.step)
+                status = _FAILED
+        status, ap = (float(v) for v in multihost_utils.broadcast_one_to_all(np.array([status, ap], np.float64)))
+        if status == _PENDING:
+            return None
+        self._pending = None
+        if status == _FAILED:
+            return None
+        checkpointing.save_if_best(self._best_manager, pending.step, pending.params, ap)
+        if metrics is None:
+            return None
+        summary = {k: metrics[k] for k in LOGGED_METRICS}
+        logging.info(
+            "eval step %d%s: %s (scored %.1fs after prediction)",
+            pending.step,
+            " (EMA parameters)" if self._ema else "",
+            " ".join(f"{k} {v:.3f}" for k, v in summary.items()),
+            time.perf_counter() - pending.started,
+        )
+        self._writer.write_eval(pending.step, summary)
+        plots.write_training_plots(self._workdir)
         return metrics
+
+    def close(self) -> None:
+        """Stops the scoring thread; a score still being computed is abandoned (never recorded)."""
+        if self._pending is not None and self._is_primary:
+            logging.warning("the score of the evaluation of step %d is abandoned", self._pending.step)
+        self._pending = None
+        if self._worker is not None:
+            self._worker.shutdown(wait=False, cancel_futures=True)
 
 
 class _EvalPictures:

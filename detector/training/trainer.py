@@ -53,6 +53,7 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict[
     manager = checkpointing.create_manager(workdir, max_to_keep=config.keep_checkpoints)
     best_manager = checkpointing.create_best_manager(workdir)
     writer = MetricWriter(workdir, enabled=is_primary)
+    evaluate = None
     try:
         start = _restore_or_init(config, manager, model, tx, programs)
         writer.discard_after(start.step)
@@ -85,6 +86,8 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict[
             # Let an in-flight async save finish so the newest checkpoint is complete.
             checkpointing.finish_writes(manager)
         finally:
+            if evaluate is not None:
+                evaluate.close()
             manager.close()
             best_manager.close()
             writer.close()
@@ -254,6 +257,7 @@ def _train_loop(
                 last_logged = {"loss": summary["loss"], "img/s": round(summary["images_per_second"], 1)}
                 data_report.update("train", train_iter.input_counts)
                 window.restart()
+                last_metrics = evaluate.record_finished(wait=False) or last_metrics
             if step % config.checkpoint_every_steps == 0 or last:
                 save_checkpoint(step)
             if stopped_early:
@@ -262,7 +266,7 @@ def _train_loop(
             if step % config.eval_every_steps == 0 or step == total_steps:
                 eval_start = time.perf_counter()
                 try:
-                    last_metrics = evaluate(step, evaluated_params(state), watch.stop_requested)
+                    last_metrics = evaluate(step, evaluated_params(state), watch.stop_requested) or last_metrics
                 except EvaluationInterrupted as interrupted:
                     # Within a grace period the checkpoint matters, the evaluation does not: a
                     # COCO evaluation can outlast it. The resumed run evaluates at its next eval step.
@@ -276,10 +280,17 @@ def _train_loop(
         if start_step >= total_steps:
             logging.info("workdir already holds a checkpoint at step %d >= total_steps; evaluating it", start_step)
             try:
-                last_metrics = evaluate(start_step, evaluated_params(state), watch.stop_requested)
+                last_metrics = evaluate(start_step, evaluated_params(state), watch.stop_requested) or last_metrics
             except EvaluationInterrupted as interrupted:
                 logging.warning("stopping on a preemption signal: %s", interrupted)
                 stopped_early = True
+        if evaluate.pending_step is not None:
+            if stopped_early:
+                # The checkpoint first: it is what a preempted run must not lose. The score
+                # then lands as usual if the grace period allows, else it is lost alone.
+                checkpointing.finish_writes(manager)
+                logging.info("waiting for the score of the evaluation of step %d", evaluate.pending_step)
+            last_metrics = evaluate.record_finished(wait=True) or last_metrics
     return state, last_metrics, stopped_early
 
 

@@ -12,6 +12,9 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
+import os
+import signal
+import time
 import types
 
 import jax
@@ -26,7 +29,7 @@ import sharding
 from detector.errors import TrainingError
 from detector.models import families
 from detector.models.retinanet import create_model
-from detector.training import checkpointing, optim, trainer
+from detector.training import checkpointing, evaluator, optim, trainer
 from detector.training.train_state import describe_param_shardings, state_shardings
 from tests.helpers.runs import checkpoint_steps, flat, read_jsonl
 from tests.helpers.sharded_training import abstract_state_on_mesh, assert_same_training, train_on_mesh
@@ -132,6 +135,79 @@ class WrappedTrainIterator:
 
 class Preempted(Exception):
     """Stands in for a crash or preemption in the middle of a run."""
+
+
+def _held_scoring(monkeypatch, hold):
+    """Runs `hold(fetched)` inside the first evaluation's real scoring job, before it scores.
+
+    `fetched` is a list that grows by one each time the train loop takes a
+    batch, so `hold` can wait for training to go on (or signal the process).
+    Returns `fetched`.
+    """
+    fetched = []
+    real_create_train_iterator = input_pipeline.create_train_iterator
+    real_score = evaluator.score_predictions
+
+    def create_train_iterator(config, *, start_position=0, first_row=None):
+        batches = real_create_train_iterator(config, start_position=start_position, first_row=first_row)
+        return WrappedTrainIterator(batches, config.global_batch_size, lambda b, step: fetched.append(step) or b)
+
+    def score(ground_truth, local, key):
+        if key.endswith("/1"):  # this run's first evaluation
+            hold(fetched)
+        return real_score(ground_truth, local, key)
+
+    monkeypatch.setattr(input_pipeline, "create_train_iterator", create_train_iterator)
+    monkeypatch.setattr(evaluator, "score_predictions", score)
+    return fetched
+
+
+def _wait_until(condition, timeout_s=120.0):
+    deadline = time.monotonic() + timeout_s
+    while not condition() and time.monotonic() < deadline:
+        time.sleep(0.02)
+    assert condition(), "timed out"
+
+
+def test_background_scores_land_with_their_step_while_training_goes_on(reference_run, tmp_path, monkeypatch):
+    config = reference_run.config.copy_and_resolve_references()
+    config.update_from_flattened_dict({"eval_every_steps": 2, "log_every_steps": 1})
+    fetched_when_scored = []
+
+    def hold(fetched):
+        # The loop trains steps 3 and 4 while step 2 is being scored (4 steps in all).
+        _wait_until(lambda: len(fetched) >= 4)
+        fetched_when_scored.append(len(fetched))
+
+    _held_scoring(monkeypatch, hold)
+    returned = trainer.train_and_evaluate(config, str(tmp_path))
+    assert fetched_when_scored and fetched_when_scored[0] >= 4
+    eval_lines = read_jsonl(tmp_path / "eval_metrics.jsonl")
+    assert [line["step"] for line in eval_lines] == [2, 4]  # each once, in order, with its own step
+    assert returned["AP"] == pytest.approx(eval_lines[-1]["AP"])  # the final evaluation was waited for
+    best_step, _ = checkpointing.restore_best(str(tmp_path))
+    assert eval_lines[[line["step"] for line in eval_lines].index(best_step)]["AP"] == max(
+        line["AP"] for line in eval_lines
+    )
+
+
+def test_sigterm_during_a_background_scoring_records_it_once(reference_run, tmp_path, monkeypatch):
+    config = reference_run.config.copy_and_resolve_references()
+    config.update_from_flattened_dict({"eval_every_steps": 2, "log_every_steps": 1})
+
+    def hold(fetched):
+        os.kill(os.getpid(), signal.SIGTERM)  # a real preemption signal while step 2 is being scored
+        _wait_until(lambda: len(fetched) >= 3)
+
+    _held_scoring(monkeypatch, hold)
+    assert trainer.train_and_evaluate(config, str(tmp_path)) is None  # stopped early
+    assert checkpoint_steps(tmp_path)[-1] == 3  # the stop step's checkpoint, written before the wait
+    assert [line["step"] for line in read_jsonl(tmp_path / "eval_metrics.jsonl")] == [2]
+    assert checkpointing.restore_best(str(tmp_path))[0] == 2
+
+    monkeypatch.undo()
+    trainer.train_and_evaluate(config, str(tmp_path))  # resumes from step 3
+    assert [line["step"] for line in read_jsonl(tmp_path / "eval_metrics.jsonl")] == [2, 4]
 
 
 def test_interrupted_run_resumes_exactly(reference_run, tmp_path, monkeypatch):
