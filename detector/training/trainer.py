@@ -23,7 +23,7 @@ import input_pipeline
 import sharding
 from detector.models import families
 from detector.models.weight_import import load_backbone_params
-from detector.training import checkpointing, optim, preemption, steps
+from detector.training import checkpointing, optim, preemption, steps, workdir_lock
 from detector.training.evaluator import EvaluationInterrupted, Evaluator
 from detector.training.metric_writers import MetricWriter
 from detector.training.monitors import DataReport, MetricWindow, NonFiniteSteps
@@ -37,7 +37,15 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict[
 
     Returns the last evaluation's COCO metrics on process 0 (None elsewhere,
     and None after a preemption stop).
+
+    Raises:
+      TrainingError: another trainer is using `workdir` (workdir_lock), before anything is written there.
     """
+    with workdir_lock.hold_workdir(workdir):
+        return _train_and_evaluate(config, workdir)
+
+
+def _train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict[str, float] | None:
     is_primary = jax.process_index() == 0
     workdir_path = _prepare_workdir(config, workdir, is_primary)
     mesh, rules = _create_mesh(config)

@@ -18,6 +18,7 @@ import jax
 import tensorflow as tf
 from jax.experimental import multihost_utils
 
+from input_pipeline import file_lock
 from input_pipeline.dataset_errors import DatasetError
 from input_pipeline.datasets import cache, coco_json, fingerprint, tfds_source
 from input_pipeline.datasets.locations import cache_root, coco_json_paths, resolve_data_dir
@@ -104,6 +105,17 @@ def _plan(config, which: str, sync: bool) -> _Plan:
     return _Plan(directory, source, f"{name} split {split!r}", convert)
 
 
+def _convert_once(plan: _Plan) -> cache.PreparedSplit:
+    """Converts the split unless another process did; independent processes converting it at once wait for one.
+
+    Two jobs started together on a fresh cache would both convert, and the
+    second to finish would replace the first one's split under its readers.
+    """
+    with file_lock.FileLock(f"{plan.directory}.lock", wait=True, description=f"converting {plan.describe}"):
+        split = cache.load_split(plan.directory, fingerprint=plan.fingerprint)  # the holder we waited for made it
+        return split if split is not None else plan.convert()
+
+
 def prepare_split(config, which: str, *, sync: bool = True) -> cache.PreparedSplit:
     """The prepared `which` ('train' or 'eval') split of `config.dataset`.
 
@@ -125,10 +137,10 @@ def prepare_split(config, which: str, *, sync: bool = True) -> cache.PreparedSpl
     if split is None:
         if sync and jax.process_count() > 1:
             if jax.process_index() == 0:
-                plan.convert()
+                _convert_once(plan)
             multihost_utils.sync_global_devices(f"prepare {plan.directory}")
             split = cache.load_split(plan.directory, fingerprint=plan.fingerprint)
         if split is None:
-            split = plan.convert()
+            split = _convert_once(plan)
     cache.check_usable(split, what=plan.describe, max_bad_fraction=float(config.input.max_bad_fraction))
     return split
