@@ -59,13 +59,14 @@ class Predictions:
 
     def to_bytes(self) -> bytes:
         buffer = io.BytesIO()
-        np.savez(buffer, image_ids=self.image_ids, **dataclasses.asdict(self.detections))
+        detections = {f"detections_{k}": v for k, v in dataclasses.asdict(self.detections).items()}
+        np.savez(buffer, image_ids=self.image_ids, **detections)
         return buffer.getvalue()
 
     @classmethod
     def from_bytes(cls, payload: bytes) -> Predictions:
         with np.load(io.BytesIO(payload)) as arrays:
-            fields = {f.name: arrays[f.name] for f in dataclasses.fields(CocoDetections)}
+            fields = {f.name: arrays[f"detections_{f.name}"] for f in dataclasses.fields(CocoDetections)}
             return cls(CocoDetections(**fields), arrays["image_ids"])
 
 

@@ -73,3 +73,17 @@ def test_boxes_are_clipped_to_the_original_image():
     results = coco_evaluation.detections_to_coco(out, LABEL_TO_CATEGORY)
     box = [r for r in results if r["image_id"] == 9][0]["bbox"]
     np.testing.assert_allclose(box, [0.0, 0.0, 50.0, 50.0])
+
+
+def test_predictions_survive_the_trip_to_process_0():
+    """What a process sends (`to_bytes`) is what process 0 scores (`from_bytes`), empty or not."""
+    results = coco_evaluation.detections_to_coco(_outputs_for(GROUND_TRUTH, scale=0.64), LABEL_TO_CATEGORY)
+    sent = coco_evaluation.Predictions(
+        coco_evaluation.CocoDetections.from_results(results), np.array([7, 9, 11], np.int64)
+    )
+    for predictions in (sent, coco_evaluation.Predictions.concatenate([])):
+        received = coco_evaluation.Predictions.from_bytes(predictions.to_bytes())
+        np.testing.assert_array_equal(received.image_ids, predictions.image_ids)
+        for field in ("image_ids", "category_ids", "boxes_xywh", "scores"):
+            np.testing.assert_array_equal(getattr(received.detections, field), getattr(predictions.detections, field))
+    assert len(sent.detections) == len(results) > 0
