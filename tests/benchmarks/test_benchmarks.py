@@ -355,3 +355,29 @@ def test_profile_step_names_each_detector_part():
     assert profile_step.attribute_buffer("batch__image__.1", names)[0] == "batch"
     assert profile_step.attribute_buffer("fusion.7", names)[0] == "neck"
     assert profile_step.attribute_buffer("wrapped_broadcast.1", names)[0] == "unattributed"
+
+
+def test_coco_scoring_matches_pycocotools_and_times_training_beside_it(tmp_path):
+    result = _run(
+        "benchmarks.coco_scoring",
+        "--sizes=60:5,120:7",
+        "--pycocotools_max_images=60",
+        "--detections_per_image=20",
+        "--overlap_config=configs/default.py",
+        "--overlap_config.global_batch_size=2",
+        "--output_dir",
+        str(tmp_path),
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    with open(tmp_path / "coco_scoring.json") as f:
+        rows = json.load(f)["rows"]
+    scorers = [(row["images"], row["scorer"]) for row in rows]
+    assert (60, "box_ap") in scorers and (60, "pycocotools") in scorers and (120, "box_ap") in scorers
+    assert (120, "pycocotools") not in scorers  # above --pycocotools_max_images
+    for row in rows:
+        assert row["detections"] == row["images"] * 20 and row["seconds"] > 0 and row["peak RSS GB"] > 0
+        if row["images"] == 60:
+            assert row["max |diff| vs pycocotools"] < 1e-12  # the same numbers, from its own input form
+    with open(tmp_path / "coco_scoring_overlap.json") as f:
+        train, scoring = json.load(f)["rows"]
+    assert train["alone"] > 0 and train["together"] > 0 and scoring["alone"] > 0
