@@ -16,8 +16,8 @@ difference of the 12 stats from pycocotools' where it ran.
 With --overlap_config, a second table shows what a background scoring costs
 the training loop: that config's compiled train step (random inputs, no
 input pipeline) timed alone, then while a thread of the same process scores
-the largest size, as the trainer's scoring thread does; and the scoring's
-time alone and under training.
+the largest size at nice 10, as the trainer's scoring thread does; and the
+scoring's time alone and under training.
 """
 
 from __future__ import annotations
@@ -214,6 +214,7 @@ def overlap_rows(config, config_name: str, num_images: int, num_classes: int, de
 
     from benchmarks import jax_step
     from detector.serving import box_ap
+    from detector.training.evaluator import lower_thread_priority
 
     step = jax_step.build(config, num_classes=4)
     step.run(3)  # warm-up
@@ -245,6 +246,7 @@ def overlap_rows(config, config_name: str, num_images: int, num_classes: int, de
     timing = {}
 
     def score() -> None:
+        lower_thread_priority()  # as the trainer's scoring thread
         start = time.perf_counter()
         box_ap.evaluate(ground_truth, found)
         timing["seconds"] = time.perf_counter() - start
