@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import io
+import json
 import logging
 import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
@@ -18,6 +19,7 @@ from typing import Any
 
 import jax
 import numpy as np
+from etils import epath
 
 from detector.serving import box_ap
 from detector.serving.box_ap import CocoDetections, CocoGroundTruth
@@ -106,6 +108,22 @@ def to_results(detections: CocoDetections) -> list[dict[str, Any]]:
         {"image_id": int(i), "category_id": int(c), "bbox": [float(v) for v in box], "score": float(s)}
         for i, c, box, s in zip(detections.image_ids, detections.category_ids, detections.boxes_xywh, detections.scores)
     ]
+
+
+def write_results(path: Any, detections: CocoDetections, *, chunk: int = 100_000) -> None:
+    """Writes `detections` as a COCO results JSON file, `chunk` detections' dicts at a time.
+
+    `path`: a local path or an `etils.epath.Path`. The file is the list
+    `to_results` gives, without holding a dict per detection for all of them.
+    """
+    with epath.Path(path).open("w") as f:
+        f.write("[")
+        for first in range(0, len(detections), chunk):
+            part = CocoDetections(
+                *(getattr(detections, field.name)[first : first + chunk] for field in dataclasses.fields(detections))
+            )
+            f.write(("," if first else "") + json.dumps(to_results(part))[1:-1])
+        f.write("]")
 
 
 def detections_to_coco(outputs: Mapping[str, Any], label_to_category_id: Sequence[int]) -> list[dict[str, Any]]:

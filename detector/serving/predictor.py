@@ -177,7 +177,6 @@ def evaluate_workdir(
     names = {int(c["id"]): str(c.get("name", c["id"])) for c in ground_truth.get("categories", [])}
     scored = coco_evaluation.coco_evaluation(ground_truth, predicted.detections, predicted.image_ids)
     del ground_truth  # scored from columns; the dicts are not needed any more
-    results = coco_evaluation.to_results(predicted.detections)
     report = {
         "workdir": str(workdir),
         "checkpoint": str(checkpoint),
@@ -193,7 +192,7 @@ def evaluate_workdir(
     directory = epath.Path(output) if output else epath.Path(workdir) / "evaluation" / str(predictor.step)
     directory.mkdir(parents=True, exist_ok=True)
     (directory / METRICS_FILE).write_text(json.dumps(report, indent=2))
-    (directory / DETECTIONS_FILE).write_text(json.dumps(results))
+    coco_evaluation.write_results(directory / DETECTIONS_FILE, predicted.detections)
     print(format_report(report), flush=True)
     logging.info(
         "evaluated %d images in %.1fs; wrote %s and %s",

@@ -1,3 +1,5 @@
+import json
+
 import numpy as np
 import pytest
 
@@ -87,3 +89,13 @@ def test_predictions_survive_the_trip_to_process_0():
         for field in ("image_ids", "category_ids", "boxes_xywh", "scores"):
             np.testing.assert_array_equal(getattr(received.detections, field), getattr(predictions.detections, field))
     assert len(sent.detections) == len(results) > 0
+
+
+@pytest.mark.parametrize("chunk", [1, 2, 1000])
+def test_results_file_is_the_results_list(tmp_path, chunk):
+    results = coco_evaluation.detections_to_coco(_outputs_for(GROUND_TRUTH, scale=0.64), LABEL_TO_CATEGORY)
+    detections = coco_evaluation.CocoDetections.from_results(results)
+    coco_evaluation.write_results(tmp_path / "d.json", detections, chunk=chunk)
+    assert json.loads((tmp_path / "d.json").read_text()) == coco_evaluation.to_results(detections) == results
+    coco_evaluation.write_results(tmp_path / "empty.json", coco_evaluation.CocoDetections.concatenate([]))
+    assert json.loads((tmp_path / "empty.json").read_text()) == []
