@@ -184,6 +184,9 @@ def base_config() -> ml_collections.ConfigDict:
     config.dataset.data_dir = ml_collections.FieldReference(None, field_type=str)
     # Where sources are converted once to random-access records; None: DATA_DIR/prepared.
     config.dataset.cache_dir = ml_collections.FieldReference(None, field_type=str)
+    # Worker processes per host converting a COCO-format folder into records
+    # (0: min(CPU cores, 8)); every host of a multi-host launch converts a share.
+    config.dataset.prepare_workers = 0
     config.dataset.train_split = "train"  # TFDS split names
     config.dataset.eval_split = "validation"
     # coco_json: instances JSON and image root of each split.

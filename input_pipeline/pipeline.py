@@ -29,6 +29,7 @@ import collections
 import dataclasses
 import math
 import os
+import re
 from collections.abc import Iterator
 from typing import NamedTuple
 
@@ -91,6 +92,25 @@ def _local_positions(
     steps = tf.data.Dataset.range(num_batches if num_batches is not None else 2**62)
     offsets = tf.range(batch, dtype=tf.int64)
     return steps.map(lambda t: start_position + t * global_batch + first_row + offsets)
+
+
+def _surfacing_dataset_errors(batches: Iterator) -> Iterator:
+    """`batches`, with a DatasetError raised inside tf.data (a record that cannot be read) as that DatasetError.
+
+    tf.numpy_function wraps a Python exception into an OpError whose message
+    holds the traceback; the user needs the one line that says what to do.
+    """
+    while True:
+        try:
+            batch = next(batches)
+        except tf.errors.OpError as e:
+            cause = re.search(r"DatasetError: (.+)", str(e))
+            if cause is None:
+                raise
+            raise DatasetError(cause.group(1).strip()) from e
+        except StopIteration:
+            return
+        yield batch
 
 
 def _read_records(reader: datasets.cache.RecordReader, record_ids: tf.Tensor) -> tf.Tensor:
@@ -384,7 +404,7 @@ class TrainIterator:
         self.position = int(start_position)
         self.input_counts = InputCounts()
         ds = train_dataset(config, start_position=start_position, first_row=first_row)
-        self._batches = ds.as_numpy_iterator()
+        self._batches = _surfacing_dataset_errors(ds.as_numpy_iterator())
 
     def __iter__(self):
         return self
@@ -447,5 +467,5 @@ def create_eval_iterator(config, *, first_row: int | None = None) -> EvalIterato
     """
     ds, num_batches = eval_dataset(config, first_row=first_row)
     counts = InputCounts()
-    batches = (counts.take(b) for b in ds.as_numpy_iterator())
+    batches = (counts.take(b) for b in _surfacing_dataset_errors(ds.as_numpy_iterator()))
     return EvalIterator(batches, num_batches, counts)

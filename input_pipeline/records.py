@@ -15,14 +15,23 @@ A record is a serialized `tf.train.Example`:
   labels    int64     [n] contiguous class labels 0..num_classes-1
   is_crowd  int64     [n] 1 for regions to ignore (COCO crowd, VOC difficult):
                       kept for evaluation, dropped from training targets
+
+serialize() writes the protocol buffer's bytes itself, without TensorFlow
+(tf.train.Example parses them; about as fast as TensorFlow's serializer):
+conversion worker processes then start in a fraction of a second and about
+100 MB instead of the 6 s and 650 MB that importing TensorFlow costs each of
+them. TensorFlow loads on the first parse.
 """
 
 from __future__ import annotations
 
 import dataclasses
+from typing import TYPE_CHECKING
 
 import numpy as np
-import tensorflow as tf
+
+if TYPE_CHECKING:
+    import tensorflow as tf
 
 
 @dataclasses.dataclass(frozen=True)
@@ -48,8 +57,43 @@ class SourceExample:
     is_crowd: np.ndarray
 
 
-def _int64(values) -> tf.train.Feature:
-    return tf.train.Feature(int64_list=tf.train.Int64List(value=[int(v) for v in values]))
+_INT64_MIN, _INT64_MAX = -(1 << 63), (1 << 63) - 1
+
+
+def _varint(value: int) -> bytes:
+    """Protocol-buffer varint of an int64 (a negative one as its 64-bit two's complement, 10 bytes)."""
+    value &= (1 << 64) - 1
+    out = bytearray()
+    while value > 0x7F:
+        out.append((value & 0x7F) | 0x80)
+        value >>= 7
+    out.append(value)
+    return bytes(out)
+
+
+def _length_delimited(field_number: int, payload: bytes) -> bytes:
+    return _varint(field_number << 3 | 2) + _varint(len(payload)) + payload
+
+
+# Feature's oneof field numbers: bytes_list, float_list, int64_list.
+_BYTES, _FLOATS, _INT64S = 1, 2, 3
+
+
+def _feature(key: str, kind: int, values: bytes) -> bytes:
+    """One entry of Features.feature (map<string, Feature>).
+
+    `values` is the list message's field 1: the one value of a BytesList, or
+    the packed values of a FloatList or Int64List (left out when empty).
+    """
+    feature = _length_delimited(kind, _length_delimited(1, values) if values or kind == _BYTES else b"")
+    return _length_delimited(1, _length_delimited(1, key.encode()) + _length_delimited(2, feature))
+
+
+def _int64s(values) -> bytes:
+    ints = [int(v) for v in values]
+    if any(not _INT64_MIN <= v <= _INT64_MAX for v in ints):
+        raise ValueError(f"{ints} does not fit in int64")
+    return b"".join(_varint(v) for v in ints)
 
 
 def serialize(example: SourceExample) -> bytes:
@@ -62,27 +106,32 @@ def serialize(example: SourceExample) -> bytes:
             f"image {example.image_id}: {len(boxes)} boxes, {len(labels)} labels "
             f"and {len(crowd)} crowd flags must have the same length"
         )
-    feature = {
-        "image": tf.train.Feature(bytes_list=tf.train.BytesList(value=[example.image_bytes])),
-        "image_id": _int64([example.image_id]),
-        "height": _int64([example.height]),
-        "width": _int64([example.width]),
-        "boxes": tf.train.Feature(float_list=tf.train.FloatList(value=boxes.reshape(-1).tolist())),
-        "labels": _int64(labels),
-        "is_crowd": _int64(crowd.astype(np.int64)),
+    features = b"".join(
+        [
+            _feature("image", _BYTES, bytes(example.image_bytes)),
+            _feature("image_id", _INT64S, _int64s([example.image_id])),
+            _feature("height", _INT64S, _int64s([example.height])),
+            _feature("width", _INT64S, _int64s([example.width])),
+            _feature("boxes", _FLOATS, boxes.astype("<f4").tobytes()),
+            _feature("labels", _INT64S, _int64s(labels.tolist())),
+            _feature("is_crowd", _INT64S, crowd.astype(np.uint8).tobytes()),  # varints of 0 and 1 are those bytes
+        ]
+    )
+    return _length_delimited(1, features)
+
+
+def _features() -> dict:
+    import tensorflow as tf
+
+    return {
+        "image": tf.io.FixedLenFeature([], tf.string),
+        "image_id": tf.io.FixedLenFeature([], tf.int64),
+        "height": tf.io.FixedLenFeature([], tf.int64),
+        "width": tf.io.FixedLenFeature([], tf.int64),
+        "boxes": tf.io.VarLenFeature(tf.float32),
+        "labels": tf.io.VarLenFeature(tf.int64),
+        "is_crowd": tf.io.VarLenFeature(tf.int64),
     }
-    return tf.train.Example(features=tf.train.Features(feature=feature)).SerializeToString()
-
-
-_FEATURES = {
-    "image": tf.io.FixedLenFeature([], tf.string),
-    "image_id": tf.io.FixedLenFeature([], tf.int64),
-    "height": tf.io.FixedLenFeature([], tf.int64),
-    "width": tf.io.FixedLenFeature([], tf.int64),
-    "boxes": tf.io.VarLenFeature(tf.float32),
-    "labels": tf.io.VarLenFeature(tf.int64),
-    "is_crowd": tf.io.VarLenFeature(tf.int64),
-}
 
 
 def parse(serialized: tf.Tensor) -> dict[str, tf.Tensor]:
@@ -92,7 +141,9 @@ def parse(serialized: tf.Tensor) -> dict[str, tf.Tensor]:
       {'image': string [], 'image_id': int64 [], 'height', 'width': int64 [],
        'boxes': float32 [n, 4], 'labels': int32 [n], 'is_crowd': bool [n]}.
     """
-    parsed = tf.io.parse_single_example(serialized, _FEATURES)
+    import tensorflow as tf
+
+    parsed = tf.io.parse_single_example(serialized, _features())
     return {
         "image": parsed["image"],
         "image_id": parsed["image_id"],
@@ -106,6 +157,8 @@ def parse(serialized: tf.Tensor) -> dict[str, tf.Tensor]:
 
 def parse_numpy(serialized: bytes) -> SourceExample:
     """Host-side inverse of serialize() (tests, ground truth, tools)."""
+    import tensorflow as tf
+
     ex = tf.train.Example.FromString(serialized).features.feature
     return SourceExample(
         image_bytes=ex["image"].bytes_list.value[0],

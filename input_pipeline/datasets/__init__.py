@@ -27,36 +27,53 @@ ground_truth; the sources coco_json, tfds_source, synthetic_shapes and their
 box_checks; cache (the prepared-split format).
 """
 
-from input_pipeline.dataset_errors import DatasetError
-from input_pipeline.datasets import cache, coco_json, synthetic_shapes, tfds_source
-from input_pipeline.datasets.categories import COCO_CATEGORY_IDS, COCO_CLASS_NAMES, VOC_CLASS_NAMES
-from input_pipeline.datasets.dataset_info import DatasetInfo, get_dataset_info
-from input_pipeline.datasets.ground_truth import eval_ground_truth
-from input_pipeline.datasets.locations import DEFAULT_DATA_DIR, coco_json_paths, resolve_data_dir
-from input_pipeline.datasets.registry import EVAL, KNOWN_DATASETS, TRAIN, class_names
-from input_pipeline.datasets.splits import configure_tf, prepare_split
-from input_pipeline.datasets.tfds_builders import get_builder
+from __future__ import annotations
 
-__all__ = [
-    "COCO_CATEGORY_IDS",
-    "COCO_CLASS_NAMES",
-    "DEFAULT_DATA_DIR",
-    "DatasetError",
-    "DatasetInfo",
-    "EVAL",
-    "KNOWN_DATASETS",
-    "TRAIN",
-    "VOC_CLASS_NAMES",
-    "cache",
-    "class_names",
-    "coco_json",
-    "coco_json_paths",
-    "configure_tf",
-    "eval_ground_truth",
-    "get_builder",
-    "get_dataset_info",
-    "prepare_split",
-    "resolve_data_dir",
-    "synthetic_shapes",
-    "tfds_source",
-]
+import importlib
+
+# Public name -> (module, attribute). Loaded on first use: conversion worker
+# processes import single modules of this package (coco_json, split_writer)
+# and must not pay for TensorFlow, TFDS and JAX, which splits.py loads.
+_EXPORTS = {
+    "COCO_CATEGORY_IDS": ("input_pipeline.datasets.categories", "COCO_CATEGORY_IDS"),
+    "COCO_CLASS_NAMES": ("input_pipeline.datasets.categories", "COCO_CLASS_NAMES"),
+    "DEFAULT_DATA_DIR": ("input_pipeline.datasets.locations", "DEFAULT_DATA_DIR"),
+    "DatasetError": ("input_pipeline.dataset_errors", "DatasetError"),
+    "DatasetInfo": ("input_pipeline.datasets.dataset_info", "DatasetInfo"),
+    "EVAL": ("input_pipeline.datasets.registry", "EVAL"),
+    "KNOWN_DATASETS": ("input_pipeline.datasets.registry", "KNOWN_DATASETS"),
+    "TRAIN": ("input_pipeline.datasets.registry", "TRAIN"),
+    "VOC_CLASS_NAMES": ("input_pipeline.datasets.categories", "VOC_CLASS_NAMES"),
+    "class_names": ("input_pipeline.datasets.registry", "class_names"),
+    "coco_json_paths": ("input_pipeline.datasets.locations", "coco_json_paths"),
+    "configure_tf": ("input_pipeline.datasets.splits", "configure_tf"),
+    "eval_ground_truth": ("input_pipeline.datasets.ground_truth", "eval_ground_truth"),
+    "get_builder": ("input_pipeline.datasets.tfds_builders", "get_builder"),
+    "get_dataset_info": ("input_pipeline.datasets.dataset_info", "get_dataset_info"),
+    "prepare_split": ("input_pipeline.datasets.splits", "prepare_split"),
+    "resolve_data_dir": ("input_pipeline.datasets.locations", "resolve_data_dir"),
+}
+_SUBMODULES = ("cache", "coco_json", "synthetic_shapes", "tfds_source")
+
+__all__ = sorted([*_EXPORTS, *_SUBMODULES])
+
+
+def __getattr__(name: str):
+    if name.startswith("__"):  # Probes such as __wrapped__ are no submodules.
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    if name in _EXPORTS:
+        module, attribute = _EXPORTS[name]
+        value = getattr(importlib.import_module(module), attribute)
+    else:
+        try:
+            value = importlib.import_module(f"{__name__}.{name}")
+        except ModuleNotFoundError as e:
+            if e.name != f"{__name__}.{name}":
+                raise
+            raise AttributeError(f"module {__name__!r} has no attribute {name!r}") from None
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted({*globals(), *__all__})

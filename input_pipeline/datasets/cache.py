@@ -1,16 +1,28 @@
 """Prepared splits: every source converted once to random-access record files.
 
 A prepared split is a directory holding
-  records-NNNNN.array_record  the records (input_pipeline/records.py), in the
+  records-S-K.array_record    the records (input_pipeline/records.py), in the
                               source's deterministic order, ArrayRecord files
                               written with group_size 1 so any record can be
-                              read alone;
+                              read alone (split_writer.py: S is the position
+                              in the source of the first record of the part
+                              that wrote the shard, K the shard's number in
+                              that part);
   index.npz                   per-record image ids, sizes and all annotations,
                               so ground truth and "which records have boxes"
                               need no pass over the images;
-  manifest.json               record count, shard files, class names,
-                              category ids, the source fingerprint and the
-                              bad-record counts of the conversion.
+  manifest.json               record count, the shards in record order and
+                              the size and edge checksum of each shard and of
+                              the index, class names, category ids, the
+                              source fingerprint and the bad-record counts of
+                              the conversion.
+
+Opening a split checks every file's size and the checksum of its first and
+last 64 KiB against the manifest (a few ms for any size): a file cut short
+by a full disk or an interrupted copy, or another file put in its place, is
+a DatasetError naming the file and the fix. A corrupted byte inside a shard
+is caught by Riegeli's chunk hashes when its record is read, and becomes a
+DatasetError naming the split as well.
 
 Why convert instead of reading each source in place: the global order of
 examples must be a function of (seed, step) alone, never of the number of
@@ -20,7 +32,8 @@ network filesystems cost one round trip each; large ArrayRecord shards give
 every source the same cheap random access. The conversion copies encoded
 bytes (no decode, no re-encode) and is written to a temporary directory that
 is renamed into place, so an interrupted conversion is never mistaken for a
-finished one.
+finished one. COCO-format folders convert with several worker processes and
+hosts (conversion.py); TFDS sources in this process (write_split).
 """
 
 from __future__ import annotations
@@ -32,24 +45,17 @@ import logging
 import os
 import shutil
 import threading
-import uuid
+import zipfile
 from collections.abc import Iterable, Sequence
 
 import numpy as np
-from array_record.python import array_record_data_source, array_record_module
+from array_record.python import array_record_data_source
 
 from input_pipeline import progress, records
 from input_pipeline.dataset_errors import DatasetError
+from input_pipeline.datasets import split_writer
+from input_pipeline.datasets.split_writer import FORMAT_VERSION, INDEX, MANIFEST, SHARD_BYTES
 from sharding.tables import markdown_table
-
-MANIFEST = "manifest.json"
-INDEX = "index.npz"
-# One record per group: a random read decodes only the record it wants.
-_WRITER_OPTIONS = "group_size:1"
-# Shards of about this size keep file counts low for millions of images
-# while letting readers open only what they touch.
-SHARD_BYTES = 1 << 30
-FORMAT_VERSION = 1
 
 
 @dataclasses.dataclass(frozen=True)
@@ -96,13 +102,20 @@ class PreparedSplit:
         return cumulative[self.box_offsets[1:]] - cumulative[self.box_offsets[:-1]]
 
     def open_reader(self) -> RecordReader:
-        return RecordReader(self.shard_paths)
+        return RecordReader(self.shard_paths, directory=self.directory)
 
 
 class RecordReader:
-    """Random access to a prepared split's serialized records."""
+    """Random access to a prepared split's serialized records.
 
-    def __init__(self, shard_paths: Sequence[str]):
+    A record that cannot be read (a shard corrupted after its checks at
+    open) raises DatasetError naming `directory` and the fix.
+    """
+
+    def __init__(self, shard_paths: Sequence[str], *, directory: str | None = None):
+        if directory is None and shard_paths:
+            directory = os.path.dirname(os.fspath(shard_paths[0]))
+        self._directory = directory
         self._source = array_record_data_source.ArrayRecordDataSource([os.fspath(p) for p in shard_paths])
         # tf.data calls read() from several threads; the data source opens its
         # file readers lazily and is not documented as thread-safe. Reads are
@@ -116,8 +129,15 @@ class RecordReader:
         """object [n] of bytes: the serialized records `record_ids` (int [n])."""
         ids = [int(i) for i in np.asarray(record_ids).reshape(-1)]
         out = np.empty(len(ids), dtype=object)
-        with self._lock:
-            out[:] = self._source.__getitems__(ids) if ids else []
+        try:
+            with self._lock:
+                out[:] = self._source.__getitems__(ids) if ids else []
+        except RuntimeError as e:  # Riegeli: "Invalid ... chunk boundary", hash mismatches, truncation
+            cause = (str(e).splitlines() or [type(e).__name__])[0][:200]
+            raise DatasetError(
+                f"prepared split {self._directory} cannot be read ({cause}); delete {self._directory} to "
+                "convert the source again"
+            ) from e
         return out
 
 
@@ -131,98 +151,89 @@ def write_split(
     category_ids: Sequence[int],
     shard_bytes: int = SHARD_BYTES,
 ) -> PreparedSplit:
-    """Converts `examples` into a prepared split at `directory` (atomically).
+    """Converts `examples` into a prepared split at `directory` (atomically), in this process.
 
     `counts` is updated by the source while `examples` is consumed and is stored
     in the manifest as it stands at the end.
+
+    Raises:
+      DatasetError: the directory cannot be written (a full disk, a read-only
+        cache); nothing is left behind.
     """
     directory = os.fspath(directory)
-    parent = os.path.dirname(directory.rstrip("/")) or "."
-    os.makedirs(parent, exist_ok=True)
-    tmp = f"{directory}.tmp-{uuid.uuid4().hex[:8]}"
-    os.makedirs(tmp)
+    tmp = split_writer.new_temporary_directory(directory)
     try:
-        shard_names, image_ids, heights, widths = [], [], [], []
-        offsets, boxes, labels, crowd = [0], [], [], []
-        writer, written = None, 0
-        description = f"converting {os.path.basename(directory)}"
-        with progress.Progress(description, unit="images") as report:
-            for example in examples:
-                serialized = records.serialize(example)
-                if writer is None or written >= shard_bytes:
-                    if writer is not None:
-                        writer.close()
-                    shard_names.append(f"records-{len(shard_names):05d}.array_record")
-                    writer = array_record_module.ArrayRecordWriter(os.path.join(tmp, shard_names[-1]), _WRITER_OPTIONS)
-                    written = 0
-                writer.write(serialized)
-                written += len(serialized)
-                image_ids.append(example.image_id)
-                heights.append(example.height)
-                widths.append(example.width)
-                n = len(example.labels)
-                offsets.append(offsets[-1] + n)
-                boxes.append(np.asarray(example.boxes_yxyx, np.float32).reshape(n, 4))
-                labels.append(np.asarray(example.labels, np.int32).reshape(n))
-                crowd.append(np.asarray(example.is_crowd, bool).reshape(n))
-                report.update(len(image_ids))
-        if writer is not None:
-            writer.close()
-        np.savez(
-            os.path.join(tmp, INDEX),
-            image_ids=np.asarray(image_ids, np.int64),
-            heights=np.asarray(heights, np.int32),
-            widths=np.asarray(widths, np.int32),
-            box_offsets=np.asarray(offsets, np.int64),
-            boxes_yxyx=(np.concatenate(boxes) if boxes else np.zeros([0, 4], np.float32)),
-            labels=(np.concatenate(labels) if labels else np.zeros([0], np.int32)),
-            is_crowd=(np.concatenate(crowd) if crowd else np.zeros([0], bool)),
+        with progress.Progress(f"converting {os.path.basename(directory)}", unit="images") as report:
+            for written in split_writer.write_part(tmp, 0, iter(examples), shard_bytes=shard_bytes):
+                report.update(written)
+        split_writer.finish_split(
+            tmp, counts, fingerprint=fingerprint, class_names=class_names, category_ids=category_ids
         )
-        manifest = {
-            "format_version": FORMAT_VERSION,
-            "fingerprint": fingerprint,
-            "num_records": len(image_ids),
-            "shards": shard_names,
-            "class_names": list(class_names),
-            "category_ids": [int(c) for c in category_ids],
-            "counts": {k: int(v) for k, v in sorted(counts.items())},
-        }
-        with open(os.path.join(tmp, MANIFEST), "w") as f:
-            json.dump(manifest, f, indent=1)
-        if os.path.exists(directory):
-            shutil.rmtree(directory)  # A stale split from another source version.
-        os.rename(tmp, directory)
+        split_writer.move_into_place(tmp, directory)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
-    logging.info("prepared %d records in %s; counts %s", len(image_ids), directory, dict(sorted(counts.items())))
-    return load_split(directory, fingerprint=fingerprint)
+    split = load_split(directory, fingerprint=fingerprint)
+    logging.info("prepared %d records in %s; counts %s", split.num_records, directory, split.counts)
+    return split
+
+
+def _broken(directory: str, what: str) -> DatasetError:
+    return DatasetError(f"prepared split {directory}: {what}; delete {directory} to convert the source again")
+
+
+def _check_file(directory: str, entry: dict) -> str:
+    """The path of one file of the manifest, after checking its size and edge checksum."""
+    path = os.path.join(directory, entry["name"])
+    try:
+        size = os.path.getsize(path)
+    except OSError as e:
+        raise _broken(directory, f"{entry['name']} cannot be read ({e.strerror})") from e
+    if size != entry["bytes"]:
+        state = "truncated" if size < entry["bytes"] else "longer than written"
+        raise _broken(directory, f"{entry['name']} is {state}: {size} bytes, manifest says {entry['bytes']}")
+    if split_writer.edge_checksum(path, size) != entry["checksum"]:
+        raise _broken(directory, f"{entry['name']} is corrupted (its first or last 64 KiB differ from when written)")
+    return path
 
 
 def load_split(directory: str, *, fingerprint: str | None = None) -> PreparedSplit | None:
-    """The prepared split at `directory`, or None if absent or from another source."""
+    """The prepared split at `directory`, or None if absent or from another source or format version.
+
+    Raises:
+      DatasetError: a file of the split is missing, truncated or corrupted
+        (see module doc), or the manifest is unreadable.
+    """
     directory = os.fspath(directory)
     manifest_path = os.path.join(directory, MANIFEST)
     if not os.path.exists(manifest_path):
         return None
-    with open(manifest_path) as f:
-        manifest = json.load(f)
+    try:
+        with open(manifest_path) as f:
+            manifest = json.load(f)
+    except (OSError, ValueError) as e:
+        raise _broken(directory, f"{MANIFEST} cannot be read ({str(e).splitlines()[0][:120]})") from e
     if manifest.get("format_version") != FORMAT_VERSION:
         return None
     if fingerprint is not None and manifest["fingerprint"] != fingerprint:
         return None
-    with np.load(os.path.join(directory, INDEX)) as index:
-        arrays = {k: index[k] for k in index.files}
+    shard_paths = tuple(_check_file(directory, entry) for entry in manifest["shards"])
+    index_path = _check_file(directory, manifest["index"])
+    try:
+        with np.load(index_path) as index:
+            arrays = {k: index[k] for k in index.files}
+    except (OSError, ValueError, zipfile.BadZipFile) as e:
+        raise _broken(directory, f"{INDEX} cannot be read ({str(e).splitlines()[0][:120]})") from e
     if len(arrays["image_ids"]) != manifest["num_records"]:
-        raise DatasetError(
-            f"prepared split {directory} is inconsistent ({manifest['num_records']} "
-            f"records in {MANIFEST}, {len(arrays['image_ids'])} in {INDEX}); "
-            "delete the directory to convert the source again"
+        raise _broken(
+            directory,
+            f"{manifest['num_records']} records in {MANIFEST}, {len(arrays['image_ids'])} in {INDEX}",
         )
+    arrays.pop("num_boxes", None)
     return PreparedSplit(
         directory=directory,
         num_records=int(manifest["num_records"]),
-        shard_paths=tuple(os.path.join(directory, s) for s in manifest["shards"]),
+        shard_paths=shard_paths,
         class_names=tuple(manifest["class_names"]),
         category_ids=tuple(int(c) for c in manifest["category_ids"]),
         counts=dict(manifest["counts"]),

@@ -23,6 +23,7 @@ def make_config(data_dir, **overrides):
                 "num_eval_examples": N_EVAL,
                 "image_size": SIZE,
                 "cache_dir": None,
+                "prepare_workers": 0,
                 "train_json": None,
                 "train_images": None,
                 "eval_json": None,
