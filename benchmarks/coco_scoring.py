@@ -39,7 +39,7 @@ from benchmarks import report
 _SIZES = flags.DEFINE_list(
     "sizes", ["5000:80", "20000:365"], "IMAGES:CLASSES pairs to score (COCO val: 5000:80; Objects365 val: 80000:365)."
 )
-_PYCOCOTOOLS_MAX_IMAGES = flags.DEFINE_integer(
+PYCOCOTOOLS_MAX_IMAGES = flags.DEFINE_integer(
     "pycocotools_max_images", 5000, "Run pycocotools and faster-coco-eval only up to this many images (0: never)."
 )
 _DETECTIONS = flags.DEFINE_integer("detections_per_image", 100, "Detections per image (COCO's maxDets).")
@@ -275,7 +275,7 @@ def main(argv: Sequence[str]) -> None:
     del argv
     sizes = [tuple(int(v) for v in pair.split(":")) for pair in _SIZES.value]
     rows = scoring_rows(
-        sizes, pycocotools_max_images=_PYCOCOTOOLS_MAX_IMAGES.value, detections_per_image=_DETECTIONS.value
+        sizes, pycocotools_max_images=PYCOCOTOOLS_MAX_IMAGES.value, detections_per_image=_DETECTIONS.value
     )
     columns = list(rows[0]) if rows else []
     report.emit(

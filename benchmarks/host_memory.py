@@ -30,6 +30,7 @@ import time
 from absl import app, flags
 
 from benchmarks import report
+from benchmarks.process_tree import resident_bytes
 
 _CONFIG = flags.DEFINE_string("config", "configs/default.py", "The config file to train.")
 _TOTAL_STEPS = flags.DEFINE_integer("total_steps", 5000, "Steps to train.")
@@ -45,25 +46,6 @@ _WORKDIR = flags.DEFINE_string("workdir", None, "The run's workdir (default: a n
 
 _STEP_LINE = re.compile(r"step (\d+)/\d+ \|")
 _EVAL_LINE = re.compile(r"eval step (\d+)")
-
-
-def resident_bytes(pid: int) -> int:
-    """VmRSS of `pid` and all its descendants, in bytes; 0 for a process that has gone."""
-    total = 0
-    pending = [pid]
-    while pending:
-        current = pending.pop()
-        try:
-            with open(f"/proc/{current}/status") as f:
-                for line in f:
-                    if line.startswith("VmRSS:"):
-                        total += int(line.split()[1]) * 1024
-                        break
-            with open(f"/proc/{current}/task/{current}/children") as f:
-                pending += [int(child) for child in f.read().split()]
-        except (FileNotFoundError, ProcessLookupError):
-            continue
-    return total
 
 
 class _LogFollower:

@@ -381,3 +381,34 @@ def test_coco_scoring_matches_pycocotools_and_times_training_beside_it(tmp_path)
     with open(tmp_path / "coco_scoring_overlap.json") as f:
         train, scoring = json.load(f)["rows"]
     assert train["alone"] > 0 and train["together"] > 0 and scoring["alone"] > 0
+
+
+def test_data_scale_prepares_a_tiny_folder_per_worker_count(tmp_path):
+    # One folder: each row is a fresh process that loads TensorFlow and JAX, as training does.
+    result = _run(
+        "benchmarks.data_scale",
+        "--images=200",
+        "--workers=1,2",
+        "--scoring_sizes=40:3",
+        "--pycocotools_max_images=40",
+        f"--workdir={tmp_path / 'work'}",
+        "--output_dir",
+        str(tmp_path),
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    with open(tmp_path / "data_scale.json") as f:
+        rows = json.load(f)["rows"]
+    assert [(row["images"], row["workers"]) for row in rows] == [(200, 1), (200, 2)]
+    for row in rows:
+        assert row["images/s"] == pytest.approx(row["images"] / row["prepare s"])
+        assert 0.1 < row["JSON MB"] < 1 and 0 < row["index MB"] < 1
+        # Sampled from outside every 50 ms (the process tree) vs the preparing process's own exact peak.
+        assert row["peak RSS GB"] > 0.05 and row["prepare RSS GB"] > 0.05
+        assert 0 < row["open s"] < 1 and row["first batch s"] > 0
+    # The folders stay for the next run; the prepared splits do not.
+    assert sorted(os.listdir(tmp_path / "work")) == ["coco_200", "sources"]
+    assert "| images | workers | JSON MB |" in result.stdout
+    with open(tmp_path / "data_scale_scoring.json") as f:
+        scoring = json.load(f)["rows"]
+    assert {row["scorer"] for row in scoring} >= {"box_ap", "pycocotools"}
+    assert all(row["images"] == 40 and row["max |diff| vs pycocotools"] < 1e-12 for row in scoring)
