@@ -6,6 +6,7 @@ Public API:
   create_eval_iterator(config, *, first_row=None)
       -> EvalIterator(batches, num_batches, input_counts)
   coco_ground_truth(config) -> COCO-format dict of the eval split
+  coco_ground_truth_columns(config) -> the same boxes as numpy columns (for scoring at scale)
   to_global_batch(local_batch, mesh, batch_axes) -> dict of jax.Array
   process_rows(sharding, global_batch_size) -> first row this process holds
   with_batch_size(config, batch_size) -> config copy batching by batch_size
@@ -36,6 +37,7 @@ _EXPORTS = {
     "TrainIterator": ("input_pipeline.pipeline", "TrainIterator"),
     "TransformOptions": ("input_pipeline.transforms", "TransformOptions"),
     "coco_ground_truth": ("input_pipeline.datasets", "eval_ground_truth"),
+    "coco_ground_truth_columns": ("input_pipeline.datasets", "eval_ground_truth_columns"),
     "create_eval_iterator": ("input_pipeline.pipeline", "create_eval_iterator"),
     "create_train_iterator": ("input_pipeline.pipeline", "create_train_iterator"),
     "format_counts": ("input_pipeline.datasets.cache", "format_counts"),

@@ -128,8 +128,8 @@ class Evaluator:
         self._ema = float(config.optimizer.ema_decay) > 0
         self._background = bool(config.background_scoring)
         self._score = score or score_predictions
-        # Columns, not COCO dicts: the ground truth of a large validation set is mostly its boxes.
-        self._ground_truth = CocoGroundTruth.from_coco(input_pipeline.coco_ground_truth(config)) if is_primary else None
+        # Columns, never a dict per box: a large validation set's ground truth is mostly its boxes.
+        self._ground_truth = CocoGroundTruth(**input_pipeline.coco_ground_truth_columns(config)) if is_primary else None
         self._worker = (
             concurrent.futures.ThreadPoolExecutor(
                 max_workers=1, thread_name_prefix="coco_scoring", initializer=lower_thread_priority

@@ -48,6 +48,7 @@ _EXPORTS = {
     "coco_json_paths": ("input_pipeline.datasets.locations", "coco_json_paths"),
     "configure_tf": ("input_pipeline.datasets.splits", "configure_tf"),
     "eval_ground_truth": ("input_pipeline.datasets.ground_truth", "eval_ground_truth"),
+    "eval_ground_truth_columns": ("input_pipeline.datasets.ground_truth", "eval_ground_truth_columns"),
     "get_builder": ("input_pipeline.datasets.tfds_builders", "get_builder"),
     "get_dataset_info": ("input_pipeline.datasets.dataset_info", "get_dataset_info"),
     "prepare_split": ("input_pipeline.datasets.splits", "prepare_split"),

@@ -260,29 +260,52 @@ def check_usable(split: PreparedSplit, *, what: str, max_bad_fraction: float) ->
         )
 
 
-def ground_truth(split: PreparedSplit) -> dict:
-    """COCO-format ground truth of a prepared split (original pixels).
+def ground_truth_columns(split: PreparedSplit) -> dict[str, np.ndarray]:
+    """A prepared split's boxes as COCO ground-truth columns (original pixels, rounded to 1/1000).
 
-    Crowd / ignore regions are kept with iscrowd=1 so COCO evaluation ignores
-    detections on them.
+    Keys as `coco_json.load_ground_truth_columns`. Crowd / ignore regions are
+    kept with is_crowd so COCO evaluation ignores detections on them.
     """
-    images, annotations = [], []
-    for i in range(split.num_records):
-        image_id = int(split.image_ids[i])
-        images.append({"id": image_id, "height": int(split.heights[i]), "width": int(split.widths[i])})
-        for row in range(int(split.box_offsets[i]), int(split.box_offsets[i + 1])):
-            y0, x0, y1, x1 = (float(v) for v in split.boxes_yxyx[row])
-            w, h = x1 - x0, y1 - y0
-            annotations.append(
-                {
-                    "id": len(annotations) + 1,  # COCO eval treats id 0 as unmatched.
-                    "image_id": image_id,
-                    "category_id": int(split.category_ids[int(split.labels[row])]),
-                    "bbox": [round(x0, 3), round(y0, 3), round(w, 3), round(h, 3)],
-                    "area": round(w * h, 3),
-                    "iscrowd": int(split.is_crowd[row]),
-                }
+    boxes_yxyx = split.boxes_yxyx.astype(np.float64)
+    y0, x0, y1, x1 = (boxes_yxyx[:, i] for i in range(4))
+    width, height = x1 - x0, y1 - y0
+    return {
+        "image_ids": np.asarray(split.image_ids, np.int64),
+        "category_ids": np.sort(np.asarray(split.category_ids, np.int64)),
+        "box_image_ids": np.repeat(np.asarray(split.image_ids, np.int64), np.diff(split.box_offsets)),
+        "box_category_ids": np.asarray(split.category_ids, np.int64)[split.labels],
+        "boxes_xywh": np.round(np.stack([x0, y0, width, height], axis=1), 3),
+        "areas": np.round(width * height, 3),
+        "is_crowd": np.asarray(split.is_crowd, bool),
+    }
+
+
+def ground_truth(split: PreparedSplit) -> dict:
+    """COCO-format ground truth of a prepared split: `ground_truth_columns` as COCO dicts."""
+    columns = ground_truth_columns(split)
+    images = [
+        {"id": int(i), "height": int(h), "width": int(w)}
+        for i, h, w in zip(split.image_ids, split.heights, split.widths)
+    ]
+    annotations = [
+        {
+            "id": n + 1,  # COCO eval treats id 0 as unmatched.
+            "image_id": int(image_id),
+            "category_id": int(category_id),
+            "bbox": [float(v) for v in box],
+            "area": float(area),
+            "iscrowd": int(crowd),
+        }
+        for n, (image_id, category_id, box, area, crowd) in enumerate(
+            zip(
+                columns["box_image_ids"],
+                columns["box_category_ids"],
+                columns["boxes_xywh"],
+                columns["areas"],
+                columns["is_crowd"],
             )
+        )
+    ]
     categories = [{"id": int(c), "name": n} for c, n in zip(split.category_ids, split.class_names)]
     return {"images": images, "annotations": annotations, "categories": categories}
 

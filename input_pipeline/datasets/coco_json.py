@@ -78,6 +78,7 @@ reads only the rows of its images.
 
 from __future__ import annotations
 
+import array
 import collections
 import dataclasses
 import io
@@ -636,6 +637,59 @@ def iter_table_examples(
                 future.cancel()
 
 
+def _scorable_annotations(
+    outline: json_stream.Outline, json_path: str, image_ids: np.ndarray, categories: CocoCategories
+) -> Iterator[dict[str, Any]]:
+    """The annotations COCO evaluation can score, one at a time; checks the rest of the file after them."""
+    known_images, known_categories = set(image_ids.tolist()), set(categories.category_ids)
+    for ann in _items(outline, "annotations", json_path):
+        if not isinstance(ann, dict):
+            continue
+        try:
+            known = ann.get("image_id") in known_images and ann.get("category_id") in known_categories
+        except TypeError:  # an unhashable id (a list or an object) is nobody's
+            known = False
+        if known and not _xywh_problem(ann.get("bbox")):
+            yield ann
+    _check_other_values(outline, json_path)
+
+
+def load_ground_truth_columns(json_path: str) -> dict[str, np.ndarray]:
+    """`load_ground_truth`'s boxes as columns: what COCO scoring reads, without a dict per box.
+
+    Returns:
+      image_ids int64 [I] (ascending), category_ids int64 [K] (ascending),
+      and per box: box_image_ids, box_category_ids int64 [M], boxes_xywh
+      float64 [M, 4] as written, areas float64 [M] (`area`, else w * h),
+      is_crowd bool [M].
+
+    Raises:
+      DatasetError: the JSON is unusable (see module doc).
+    """
+    json_path = os.fspath(json_path)
+    outline = _outline(json_path)
+    categories = _parse_categories(outline, json_path)
+    image_ids = _read_images(outline, json_path, ColumnFiles(None))
+    box_images, box_categories, boxes, areas, crowd = (array.array(code) for code in "qqddb")
+    for ann in _scorable_annotations(outline, json_path, image_ids, categories):
+        box_images.append(ann["image_id"])
+        box_categories.append(ann["category_id"])
+        bbox = [float(v) for v in ann["bbox"]]
+        boxes.extend(bbox)
+        area = ann.get("area")
+        areas.append(float(area) if box_checks.is_number(area, finite=True) else bbox[2] * bbox[3])
+        crowd.append(bool(ann.get("iscrowd", 0)))
+    return {
+        "image_ids": image_ids,
+        "category_ids": np.asarray(categories.category_ids, np.int64),
+        "box_image_ids": np.frombuffer(box_images, np.int64).copy(),
+        "box_category_ids": np.frombuffer(box_categories, np.int64).copy(),
+        "boxes_xywh": np.frombuffer(boxes, np.float64).reshape(-1, 4).copy(),
+        "areas": np.frombuffer(areas, np.float64).copy(),
+        "is_crowd": np.frombuffer(crowd, np.int8).astype(bool),
+    }
+
+
 def load_ground_truth(json_path: str) -> dict[str, Any]:
     """The user's instances JSON as COCO evaluation ground truth.
 
@@ -657,25 +711,15 @@ def load_ground_truth(json_path: str) -> dict[str, Any]:
     categories = _parse_categories(outline, json_path)
     columns = ColumnFiles(None)
     image_ids = _read_images(outline, json_path, columns)
-    known_images, known_categories = set(image_ids.tolist()), set(categories.category_ids)
     annotations, max_id = [], 0
-    for ann in _items(outline, "annotations", json_path):
-        if not isinstance(ann, dict):
-            continue
+    for ann in _scorable_annotations(outline, json_path, image_ids, categories):
         if _is_int(ann.get("id")):
-            max_id = max(max_id, ann["id"])
-        try:
-            known = ann.get("image_id") in known_images and ann.get("category_id") in known_categories
-        except TypeError:  # an unhashable id (a list or an object) is nobody's
-            known = False
-        if not known or _xywh_problem(ann.get("bbox")):
-            continue
+            max_id = max(max_id, ann["id"])  # new ids start above every kept one
         ann = dict(ann)
         bbox = ann["bbox"]
         ann.setdefault("area", float(bbox[2]) * float(bbox[3]))
         ann["iscrowd"] = int(bool(ann.get("iscrowd", 0)))
         annotations.append(ann)
-    _check_other_values(outline, json_path)
     # COCO evaluation needs unique ids, and treats id 0 as "unmatched".
     next_id, seen_ids = max_id + 1, set()
     for ann in annotations:

@@ -21,3 +21,10 @@ def eval_ground_truth(config) -> dict:
     if check_name(config) == "coco_json":
         return coco_json.load_ground_truth(coco_json_paths(config, EVAL)[0])
     return cache.ground_truth(prepare_split(config, EVAL, sync=False))
+
+
+def eval_ground_truth_columns(config) -> dict:
+    """`eval_ground_truth` as columns (see `coco_json.load_ground_truth_columns`): no dict per box."""
+    if check_name(config) == "coco_json":
+        return coco_json.load_ground_truth_columns(coco_json_paths(config, EVAL)[0])
+    return cache.ground_truth_columns(prepare_split(config, EVAL, sync=False))

@@ -335,3 +335,36 @@ def test_independent_of_num_threads(tmp_path, monkeypatch):
         np.testing.assert_array_equal(a.boxes_yxyx, b.boxes_yxyx)
         np.testing.assert_array_equal(a.labels, b.labels)
         np.testing.assert_array_equal(a.is_crowd, b.is_crowd)
+
+
+def test_ground_truth_columns_are_the_ground_truth_dicts(tmp_path):
+    """Scoring's columns hold what COCO evaluation of the dicts reads: crowds, defaults and drops included."""
+    json_path, _ = _write_scoring_folder(tmp_path)
+    as_dicts = coco_json.load_ground_truth(json_path)
+    columns = coco_json.load_ground_truth_columns(json_path)
+    annotations = as_dicts["annotations"]
+    assert len(annotations) == len(columns["areas"]) > 0
+    np.testing.assert_array_equal(columns["image_ids"], sorted(i["id"] for i in as_dicts["images"]))
+    np.testing.assert_array_equal(columns["category_ids"], sorted(c["id"] for c in as_dicts["categories"]))
+    np.testing.assert_array_equal(columns["box_image_ids"], [a["image_id"] for a in annotations])
+    np.testing.assert_array_equal(columns["box_category_ids"], [a["category_id"] for a in annotations])
+    np.testing.assert_array_equal(columns["boxes_xywh"], [a["bbox"] for a in annotations])
+    np.testing.assert_array_equal(columns["areas"], [a["area"] for a in annotations])
+    np.testing.assert_array_equal(columns["is_crowd"], [bool(a["iscrowd"]) for a in annotations])
+    assert columns["is_crowd"].any() and not columns["is_crowd"].all()
+
+
+def _write_scoring_folder(tmp_path):
+    """A JSON with a crowd, a given and a missing area, an unknown category and a degenerate box (dropped)."""
+    images = [{"id": 5, "file_name": "a.jpg", "width": 40, "height": 30}, {"id": 2, "file_name": "b.jpg"}]
+    annotations = [
+        {"id": 1, "image_id": 5, "category_id": 3, "bbox": [1, 2, 10, 5], "area": 33.5},
+        {"id": 2, "image_id": 5, "category_id": 7, "bbox": [0, 0, 4, 4], "iscrowd": 1},
+        {"image_id": 2, "category_id": 3, "bbox": [3.5, 1.25, 2, 8]},
+        {"id": 4, "image_id": 2, "category_id": 99, "bbox": [0, 0, 1, 1]},
+        {"id": 5, "image_id": 2, "category_id": 3, "bbox": [0, 0, 0, 1]},
+    ]
+    categories = [{"id": 3, "name": "x"}, {"id": 7, "name": "y"}]
+    path = tmp_path / "instances.json"
+    path.write_text(json.dumps({"images": images, "annotations": annotations, "categories": categories}))
+    return str(path), tmp_path

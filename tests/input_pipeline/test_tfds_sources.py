@@ -13,6 +13,7 @@ import tensorflow_datasets as tfds
 
 import input_pipeline
 from input_pipeline import datasets
+from input_pipeline.datasets import cache
 from input_pipeline.datasets import synthetic_shapes as ss
 from tests.helpers.pipeline_config import make_config
 
@@ -106,3 +107,20 @@ def test_tfds_dataset_reads_through_the_prepared_split(name, tmp_path):
     assert sum(targets.values()) == len(train_split.labels) - NUM // 2
     for image_id, mask in zip(batch["image_id"], batch["boxes_mask"]):
         assert mask.sum() <= targets[int(image_id)]
+
+
+def test_prepared_split_ground_truth_columns_are_its_dicts(tmp_path):
+    """The columns scoring reads from a prepared split equal the COCO dicts built from it."""
+    config = make_config(tmp_path)
+    split = input_pipeline.prepare_split(config, "eval")
+    as_dicts = cache.ground_truth(split)
+    columns = cache.ground_truth_columns(split)
+    annotations = as_dicts["annotations"]
+    assert len(annotations) == split.box_offsets[-1] > 0
+    np.testing.assert_array_equal(columns["image_ids"], [i["id"] for i in as_dicts["images"]])
+    np.testing.assert_array_equal(columns["box_image_ids"], [a["image_id"] for a in annotations])
+    np.testing.assert_array_equal(columns["box_category_ids"], [a["category_id"] for a in annotations])
+    np.testing.assert_array_equal(columns["boxes_xywh"], [a["bbox"] for a in annotations])
+    np.testing.assert_array_equal(columns["areas"], [a["area"] for a in annotations])
+    y0, x0, y1, x1 = split.boxes_yxyx[0].astype(np.float64)
+    np.testing.assert_allclose(columns["boxes_xywh"][0], [x0, y0, x1 - x0, y1 - y0], atol=5e-4)
