@@ -97,6 +97,7 @@ def test_two_processes_on_a_fresh_data_dir_prepare_it_once_and_both_use_it(tmp_p
     assert combined.count(f"prepared {NUM_TRAIN} records in") == 1, combined[-5000:]
 
 
+@pytest.mark.slow  # a killed holder, then a preparation that starts TensorFlow: ~7 s
 def test_locks_left_by_a_process_killed_with_sigkill_do_not_block_preparation(tmp_path):
     data_dir = tmp_path / "data"
     holder = subprocess.Popen(

@@ -65,6 +65,7 @@ def lock_file_holder(workdir) -> dict:
         return json.loads(f.read())
 
 
+@pytest.mark.slow  # a real detector.train process: ~5 s
 def test_a_second_trainer_on_a_held_workdir_stops_with_one_error_line_naming_the_holder(tmp_path):
     workdir = tmp_path / "run"
     holder = start_holder(workdir)
