@@ -347,6 +347,7 @@ def grad_norms(grads, prefix):
     return norms
 
 
+@pytest.mark.slow  # a gradient per layer: ~13 s
 def test_a_layers_boxes_do_not_depend_on_later_layers(setup, outputs, pullback):
     """Layer 0's boxes get gradient from decoder0 and the box head, none from decoder1 and decoder2."""
     ones = jnp.zeros_like(outputs["boxes"]).at[0].set(1.0)

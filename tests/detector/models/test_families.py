@@ -135,6 +135,7 @@ def test_a_padded_example_does_not_change_the_loss(dino):
     assert abs(float(dino.loss(dino.params, batch, rng)[0]) - first[0]) > 1e-3
 
 
+@pytest.mark.slow  # several loss compiles: ~15-20 s
 def test_normalizer_one_gives_plain_sums(dino):
     """normalizer=1: every term is the normalised term times the number of boxes (same rng)."""
     batch, rng = make_batch(), jax.random.key(2)
@@ -279,6 +280,7 @@ def test_with_resize_on_device_the_loss_sees_the_resampled_source_pixels(dino):
     assert abs(scalars(*dino.loss(dino.params, shipped, rng))[0] - want[0]) > 1e-3
 
 
+@pytest.mark.slow  # several loss compiles: ~15-20 s
 def test_dino_class_loss_option_reaches_every_set_loss(dino):
     """A quality-aware class loss replaces the focal one in the decoder, encoder and denoising terms alike.
 
@@ -302,6 +304,7 @@ def test_dino_class_loss_option_reaches_every_set_loss(dino):
         assert terms[part] != pytest.approx(focal_terms[part], rel=1e-3), part
 
 
+@pytest.mark.slow  # several loss compiles: ~15-20 s
 def test_one_to_many_loss_is_every_layers_set_loss_against_the_boxes_repeated(dino):
     """H-DETR's branch adds one term and changes no other: per decoder layer, the set loss of the M
     one-to-many queries under an optimal assignment (scipy's) to each box repeated K times, over K n."""
