@@ -91,6 +91,7 @@ PEER = textwrap.dedent("""
 """)
 
 
+@pytest.mark.slow  # 10-20 s of compiling or real processes
 def test_a_dead_peer_stops_the_survivor_within_a_minute(tmp_path):
     address = f"127.0.0.1:{free_port()}"
     env = {**_env(), "JAX_PLATFORMS": "cpu", "XLA_FLAGS": "--xla_force_host_platform_device_count=2"}

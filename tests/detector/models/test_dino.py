@@ -358,6 +358,7 @@ def test_a_layers_boxes_do_not_depend_on_later_layers(setup, outputs, pullback):
     assert max(grad_norms(grads, "box_head/").values()) > 0
 
 
+@pytest.mark.slow  # 10-20 s of compiling or real processes
 def test_decoder_references_are_detached_from_the_encoder_proposals(setup, outputs, pullback):
     """The decoder samples around the top-k encoder proposals without their gradient: no decoder output
     (any layer, logits or boxes) trains the proposal heads; layer 1's boxes train the box head."""

@@ -93,6 +93,7 @@ def test_dino_loss_is_finite_positive_and_the_sum_of_its_terms(dino):
     assert terms["encoder_loss"] + terms["denoising_loss"] < loss
 
 
+@pytest.mark.slow  # 10-20 s of compiling or real processes
 def test_images_without_boxes_and_padded_examples_give_a_finite_loss(dino):
     """Image 0 has no boxes, image 1 is padding (example_mask False): every term is finite, no box is
     counted, and the only loss left is "no object" on image 0's queries."""
@@ -252,6 +253,7 @@ def test_loss_and_detect_normalise_on_the_device_and_ignore_the_padding(dino):
     )
 
 
+@pytest.mark.slow  # 10-20 s of compiling or real processes
 def test_with_resize_on_device_the_loss_sees_the_resampled_source_pixels(dino):
     """The train step resamples the shipped source (here shifted and mirrored: whole pixels, so exactly) first."""
     from detector.ops.images import resample_images
@@ -382,6 +384,7 @@ def test_one_to_many_queries_that_cannot_hold_the_repeated_boxes_are_a_config_er
         families.create_model(config, NUM_CLASSES)
 
 
+@pytest.mark.slow  # 10-20 s of compiling or real processes
 def test_the_one_to_many_branch_leaves_the_exported_detection_program_unchanged(dino):
     """Training-only: with the branch on, the same parameters export the same program, byte for byte."""
     config = dino_config()

@@ -70,6 +70,7 @@ def _one_adamw_update(config, params, grads):
     return updates
 
 
+@pytest.mark.slow  # 10-20 s of compiling or real processes
 def test_backbone_multiplier_scales_every_backbone_step_and_leaves_the_head_alone():
     import jax
     from flax import traverse_util
