@@ -270,6 +270,7 @@ def test_missing_data_dir_parent_is_an_error(tmp_path):
         input_pipeline.create_train_iterator(config)
 
 
+@pytest.mark.slow  # 8-10 s of compiling
 def test_mosaics_are_a_function_of_the_position_and_stop_at_mosaic_until(data_dir):
     """Half the examples of the first half of the run are 2 x 2 mosaics; resuming draws the same ones, and past
     `input.mosaic_until` the stream is the one without mosaics."""

@@ -66,6 +66,7 @@ def test_scanned_blocks_keep_the_program_size_independent_of_depth():
     assert program_size(16, scan=False) > 1.5 * program_size(8, scan=False)
 
 
+@pytest.mark.slow  # 8-10 s of compiling
 def test_scanned_and_unrolled_blocks_compute_the_same_function():
     images = jax.random.normal(jax.random.key(0), (1, 64, 64, 3))
     scanned, unrolled = tiny_vit(scan=True), tiny_vit(scan=False)

@@ -110,6 +110,7 @@ def params_after(params, flat_updates, name):
     return (params_at(params, name) + np.asarray(flat_updates[name])).astype(np.float32)
 
 
+@pytest.mark.slow  # 8-10 s of compiling
 def test_first_matching_multiplier_wins_and_frozen_parameters_stay_frozen():
     from flax import traverse_util
 
