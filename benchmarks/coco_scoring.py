@@ -90,6 +90,25 @@ def synthetic_columns(num_images: int, num_classes: int, detections_per_image: i
     }
 
 
+def box_ap_inputs(columns: dict):
+    """The same data as box_ap's (CocoGroundTruth, CocoDetections)."""
+    from detector.serving import box_ap
+
+    ground_truth = box_ap.CocoGroundTruth(
+        image_ids=columns["image_ids"],
+        category_ids=columns["category_ids"],
+        box_image_ids=columns["gt_image_ids"],
+        box_category_ids=columns["gt_category_ids"],
+        boxes_xywh=columns["gt_xywh"],
+        areas=columns["gt_xywh"][:, 2] * columns["gt_xywh"][:, 3],
+        is_crowd=columns["gt_crowd"],
+    )
+    found = box_ap.CocoDetections(
+        columns["dt_image_ids"], columns["dt_category_ids"], columns["dt_xywh"], columns["dt_scores"]
+    )
+    return ground_truth, found
+
+
 def _as_coco(columns: dict) -> tuple[dict, list[dict]]:
     """The same data as a COCO ground-truth dict and a results list."""
     images = [{"id": int(i), "height": 480, "width": 640} for i in columns["image_ids"]]
@@ -122,18 +141,7 @@ def _score_in_child(scorer: str, num_images: int, num_classes: int, detections: 
         from detector.serving import box_ap
 
         start = time.perf_counter()
-        ground_truth = box_ap.CocoGroundTruth(
-            image_ids=columns["image_ids"],
-            category_ids=columns["category_ids"],
-            box_image_ids=columns["gt_image_ids"],
-            box_category_ids=columns["gt_category_ids"],
-            boxes_xywh=columns["gt_xywh"],
-            areas=columns["gt_xywh"][:, 2] * columns["gt_xywh"][:, 3],
-            is_crowd=columns["gt_crowd"],
-        )
-        found = box_ap.CocoDetections(
-            columns["dt_image_ids"], columns["dt_category_ids"], columns["dt_xywh"], columns["dt_scores"]
-        )
+        ground_truth, found = box_ap_inputs(columns)
         evaluated = box_ap.evaluate(ground_truth, found)
         stats = [evaluated.stats[name] for name in box_ap.STAT_NAMES]
     else:
@@ -219,18 +227,7 @@ def overlap_rows(config, config_name: str, num_images: int, num_classes: int, de
     step = jax_step.build(config, num_classes=4)
     step.run(3)  # warm-up
     columns = synthetic_columns(num_images, num_classes, detections_per_image)
-    ground_truth = box_ap.CocoGroundTruth(
-        image_ids=columns["image_ids"],
-        category_ids=columns["category_ids"],
-        box_image_ids=columns["gt_image_ids"],
-        box_category_ids=columns["gt_category_ids"],
-        boxes_xywh=columns["gt_xywh"],
-        areas=columns["gt_xywh"][:, 2] * columns["gt_xywh"][:, 3],
-        is_crowd=columns["gt_crowd"],
-    )
-    found = box_ap.CocoDetections(
-        columns["dt_image_ids"], columns["dt_category_ids"], columns["dt_xywh"], columns["dt_scores"]
-    )
+    ground_truth, found = box_ap_inputs(columns)
     start = time.perf_counter()
     box_ap.evaluate(ground_truth, found)
     scoring_alone = time.perf_counter() - start
