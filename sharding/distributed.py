@@ -24,6 +24,8 @@ import jax
 
 DEFAULT_HEARTBEAT_TIMEOUT_S = 30
 DEFAULT_INITIALIZATION_TIMEOUT_S = 300
+# send_to_primary's largest single value in the key-value store.
+_PIECE_BYTES = 4 << 20
 
 
 class DistributedError(ValueError):
@@ -143,19 +145,29 @@ def send_to_primary(key: str, payload: bytes, *, timeout_s: float = 600.0) -> li
 
     client = jax_distributed.global_state.client
     if jax.process_index() != 0:
-        client.key_value_set_bytes(f"detector/{key}/{jax.process_index()}", payload)
+        # In pieces: a process's share of a large evaluation is tens of MB, more
+        # than one message of the coordination service should carry.
+        pieces = [payload[i : i + _PIECE_BYTES] for i in range(0, len(payload), _PIECE_BYTES)] or [b""]
+        name = f"detector/{key}/{jax.process_index()}"
+        for index, piece in enumerate(pieces):
+            client.key_value_set_bytes(f"{name}/{index}", piece)
+        client.key_value_set_bytes(f"{name}/count", str(len(pieces)).encode())
         return None
     received = [payload]
     for process in range(1, jax.process_count()):
         name = f"detector/{key}/{process}"
         try:
-            received.append(client.blocking_key_value_get_bytes(name, int(timeout_s * 1000)))
+            count = int(client.blocking_key_value_get_bytes(f"{name}/count", int(timeout_s * 1000)))
+            pieces = [client.blocking_key_value_get_bytes(f"{name}/{i}", int(timeout_s * 1000)) for i in range(count)]
         except Exception as e:  # noqa: BLE001  the client raises XlaRuntimeError subclasses
             raise DistributedError(
                 f"process {process} did not send {key!r} within {timeout_s:.0f}s ({str(e).splitlines()[0][:200]}); "
                 "it may have died: see its log"
             ) from e
-        client.key_value_delete(name)
+        for index in range(count):
+            client.key_value_delete(f"{name}/{index}")
+        client.key_value_delete(f"{name}/count")
+        received.append(b"".join(pieces))
     return received
 
 

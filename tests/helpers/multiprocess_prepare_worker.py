@@ -33,7 +33,15 @@ def main(config_json, port, num_processes, process_id):
     )
     config = ml_collections.ConfigDict(json.loads(open(config_json).read()))
     split = input_pipeline.prepare_split(config, "train")
-    print(json.dumps({"directory": split.directory, "records": split.num_records, "shards": len(split.shard_paths)}))
+    # Host data for process 0 alone, larger than one piece of the key-value store.
+    payload = bytes([int(process_id) + 1]) * (9 * 2**20 + 7)
+    received = distributed.send_to_primary("test/payload", payload)
+    sent = [[len(p), sorted(set(p))] for p in received] if received is not None else None
+    print(
+        json.dumps(
+            {"directory": split.directory, "records": split.num_records, "shards": len(split.shard_paths), "sent": sent}
+        )
+    )
     jax.distributed.shutdown()
 
 

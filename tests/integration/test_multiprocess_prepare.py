@@ -1,4 +1,4 @@
-"""Two processes joined by jax.distributed prepare one COCO-format split together: the one-process split."""
+"""Two processes joined by jax.distributed: one COCO-format split prepared together; host bytes sent to process 0."""
 
 import json
 import os
@@ -59,6 +59,9 @@ def test_two_processes_convert_their_shares_into_the_one_process_split(tmp_path)
         assert proc.returncode == 0, err[-3000:]
         assert "Traceback" not in err, err[-3000:]
         outputs.append(json.loads(out.strip().splitlines()[-1]))
+    # Process 0 alone received every process's bytes, whole, in process order.
+    size = 9 * 2**20 + 7
+    assert outputs[0].pop("sent") == [[size, [1]], [size, [2]]] and outputs[1].pop("sent") is None
     # Both see the one split, written in two parts: each process converted its share.
     assert outputs[0] == outputs[1] and outputs[0]["shards"] == 2 and outputs[0]["records"] == 30
     together = cache.load_split(outputs[0]["directory"])
