@@ -275,43 +275,79 @@ def _optional_size(value: Any) -> int | None:
 
 
 def _read_images(outline: json_stream.Outline, json_path: str, columns: ColumnFiles) -> np.ndarray:
-    """Writes the image columns of `columns` in ascending id order; returns the sorted int64 [N] ids."""
-    ids, widths, heights, names = [], [], [], []
-    for img in _items(outline, "images", json_path):
-        if not (isinstance(img, dict) and _is_int(img.get("id")) and isinstance(img.get("file_name"), str)):
-            raise DatasetError(
-                f"{json_path}: image {img!r:.80} needs an integer 'id' and a string 'file_name'; fix that "
-                "entry of 'images'"
-            )
-        if not _is_int64(img["id"]):
-            raise DatasetError(f"{json_path}: image id {img['id']} does not fit in 64 bits; renumber the images")
-        try:
-            width, height = _optional_size(img.get("width")), _optional_size(img.get("height"))
-        except ValueError:
-            raise DatasetError(
-                f"{json_path}: image {img['id']} has width {img.get('width')!r} and height "
-                f"{img.get('height')!r}; give positive integer pixel sizes or leave both out"
-            ) from None
-        ids.append(img["id"])
-        widths.append(width or 0)
-        heights.append(height or 0)
-        names.append(img["file_name"].encode("utf-8", "surrogatepass"))
-    image_ids = np.asarray(ids, np.int64)
-    del ids
-    order = np.argsort(image_ids, kind="stable")
-    image_ids = image_ids[order]
+    """Writes the image columns of `columns` in ascending id order; returns the sorted int64 [N] ids.
+
+    The entries are parsed _PARSE_CHUNK at a time and appended in the JSON's
+    order; only then are the columns sorted by id (skipped when the JSON
+    lists the images in id order, as COCO's files do), so no Python object
+    per image outlives its chunk.
+    """
+    elements = _items(outline, "images", json_path)
+    while True:
+        ids, widths, heights, names = [], [], [], []
+        for img in elements:
+            if not (isinstance(img, dict) and _is_int(img.get("id")) and isinstance(img.get("file_name"), str)):
+                raise DatasetError(
+                    f"{json_path}: image {img!r:.80} needs an integer 'id' and a string 'file_name'; fix that "
+                    "entry of 'images'"
+                )
+            if not _is_int64(img["id"]):
+                raise DatasetError(f"{json_path}: image id {img['id']} does not fit in 64 bits; renumber the images")
+            try:
+                width, height = _optional_size(img.get("width")), _optional_size(img.get("height"))
+            except ValueError:
+                raise DatasetError(
+                    f"{json_path}: image {img['id']} has width {img.get('width')!r} and height "
+                    f"{img.get('height')!r}; give positive integer pixel sizes or leave both out"
+                ) from None
+            ids.append(img["id"])
+            widths.append(width or 0)
+            heights.append(height or 0)
+            names.append(img["file_name"].encode("utf-8", "surrogatepass"))
+            if len(ids) >= _PARSE_CHUNK:
+                break
+        if not ids:
+            break
+        columns.append("image_id", np.asarray(ids, np.int64))
+        columns.append("width", np.asarray(widths, np.int32))
+        columns.append("height", np.asarray(heights, np.int32))
+        columns.append("name_length", np.fromiter(map(len, names), np.int64, len(names)))
+        columns.append("name", np.frombuffer(b"".join(names), np.uint8))
+    if "image_id" not in columns:  # no images at all
+        for name, dtype in (("image_id", np.int64), ("width", np.int32), ("height", np.int32), ("name", np.uint8)):
+            columns.append(name, np.zeros([0], dtype))
+        columns.append("name_length", np.zeros([0], np.int64))
+    image_ids = columns.read("image_id")
+    lengths = columns.read("name_length")
+    columns.delete("name_length")
+    if len(image_ids) > 1 and (np.diff(image_ids) < 0).any():
+        order = np.argsort(image_ids, kind="stable")
+        image_ids = image_ids[order]
+        columns.replace("image_id", image_ids)
+        for name in ("width", "height"):
+            columns.replace(name, columns.read(name)[order])
+        _reorder_names(columns, lengths, order)
+        lengths = lengths[order]
     repeated = np.flatnonzero(image_ids[1:] == image_ids[:-1])
     if len(repeated):
         raise DatasetError(
             f"{json_path}: image id {image_ids[repeated[0]]} is listed twice in 'images'; make image ids unique"
         )
-    columns.append("image_id", image_ids)
-    columns.append("width", np.asarray(widths, np.int32)[order])
-    columns.append("height", np.asarray(heights, np.int32)[order])
-    names = [names[i] for i in order.tolist()]
-    columns.append("name_offset", np.concatenate([[0], np.cumsum([len(n) for n in names], dtype=np.int64)]))
-    columns.append("name", np.frombuffer(b"".join(names), np.uint8))
+    columns.append("name_offset", np.concatenate([[0], np.cumsum(lengths, dtype=np.int64)]))
     return image_ids
+
+
+def _reorder_names(columns: ColumnFiles, lengths: np.ndarray, order: np.ndarray) -> None:
+    """Rewrites the concatenated `name` column in `order` (int64 [N]), _READ_BLOCK names at a time."""
+    names = columns.read("name").tobytes()
+    offsets = np.concatenate([[0], np.cumsum(lengths, dtype=np.int64)])
+    columns.delete("name")
+    columns.append("name", np.zeros([0], np.uint8))
+    for lo in range(0, len(order), _READ_BLOCK):
+        block = order[lo : lo + _READ_BLOCK].tolist()
+        starts, stops = offsets[block].tolist(), offsets[np.asarray(block) + 1].tolist()
+        joined = b"".join(names[a:b] for a, b in zip(starts, stops))
+        columns.append("name", np.frombuffer(joined, np.uint8))
 
 
 def _int64_column(values: list[Any]) -> tuple[np.ndarray, np.ndarray]:

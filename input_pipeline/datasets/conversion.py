@@ -27,16 +27,21 @@ hosts without a shared filesystem process 0 converts alone and the others
 convert their own copy afterwards (splits.py). Each host parses the JSON
 itself (seconds), so no host waits for another's table.
 
-Memory: the process that parses holds the image columns and one column of
-the annotations at a time (about 40 bytes per annotation at its peak); the
-workers hold a few thousand images' rows and their index rows until these
-go to their files. No process holds a per-image Python object for the whole
-split.
+Memory: the process that parses holds one chunk of entries as Python
+objects at a time, appending each to column files; then the image ids
+(8 bytes per image) to sort them, and, only when the annotations are not
+grouped by image in the JSON, one annotation column and the sort order at a
+time (about 16 bytes per annotation). The heap that parsing freed goes back
+to the OS before conversion starts. The workers hold a few thousand images'
+rows and their index rows until these go to their files; merging the index
+reads a block of each column at a time. No process holds a Python object per
+image or per annotation for the whole split.
 """
 
 from __future__ import annotations
 
 import collections
+import ctypes
 import dataclasses
 import json
 import os
@@ -147,7 +152,21 @@ def _read_table(json_path: str, image_root: str, tmp: str, directory: str) -> co
         table.columns.save_dtypes()
     except OSError as e:  # the columns' files, in the cache
         raise split_writer.write_error(directory, e) from e
+    _release_freed_heap()
     return table
+
+
+def _release_freed_heap() -> None:
+    """Returns the heap that parsing freed to the OS (glibc's malloc_trim; elsewhere nothing).
+
+    Parsing allocates and frees millions of small objects a chunk at a time;
+    glibc keeps the freed pages, so without this the process that goes on to
+    train held 27 MB more at 200,000 images than at 20,000 (after: 1 MB).
+    """
+    try:
+        ctypes.CDLL(None).malloc_trim(0)
+    except (OSError, AttributeError):
+        pass
 
 
 def _finish(tmp: str, directory: str, table: coco_json.ImageTable, fingerprint: str) -> None:
@@ -294,6 +313,7 @@ def _convert_on_hosts(
         table_dir = os.path.join(tmp, f"{_TABLE}-{hosts.index}")
         table = coco_json.read_table(json_path, image_root, ColumnFiles(table_dir))
         table.columns.save_dtypes()
+        _release_freed_heap()
         share = _ranges(0, table.num_images, hosts.count)
         start, stop = dict(enumerate(share)).get(hosts.index, (table.num_images, table.num_images))
         convert_range(tmp, table_dir, image_root, start, stop, workers, shard_bytes)

@@ -49,6 +49,8 @@ _WRITER_OPTIONS = "group_size:1"
 SHARD_BYTES = 1 << 30
 # Index rows a part keeps in memory before appending them to its column files.
 _INDEX_FLUSH_ROWS = 4096
+# Values of one index column that the merge reads at a time (4 MB of boxes).
+_MERGE_BLOCK = 1 << 20
 # Bytes read from each end of a file for its checksum: enough to catch a
 # file cut short or replaced, cheap enough to check every time a split opens.
 EDGE_BYTES = 64 << 10
@@ -233,7 +235,7 @@ def _write_npy_member(archive: zipfile.ZipFile, name: str, dtype, shape: tuple, 
     with archive.open(f"{name}.npy", "w", force_zip64=True) as f:
         np.lib.format.write_array_header_2_0(f, header)
         for chunk in chunks:
-            f.write(np.ascontiguousarray(chunk, dtype).tobytes())
+            f.write(np.ascontiguousarray(chunk, dtype).reshape(-1).view(np.uint8))
 
 
 def _write_index(directory: str, parts: Sequence[dict]) -> int:
@@ -243,8 +245,11 @@ def _write_index(directory: str, parts: Sequence[dict]) -> int:
     num_boxes = sum(c.length("labels") for c in columns)
 
     def column(name: str) -> Iterator[np.ndarray]:
+        # A block at a time: a part may hold the whole split (one worker).
         for part in columns:
-            yield part.read(name)
+            length = part.length(name)
+            for start in range(0, max(length, 1), _MERGE_BLOCK):
+                yield part.read(name, start, min(length, start + _MERGE_BLOCK))
 
     def offsets() -> Iterator[np.ndarray]:
         total = 0

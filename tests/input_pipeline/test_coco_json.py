@@ -337,6 +337,30 @@ def test_independent_of_num_threads(tmp_path, monkeypatch):
         np.testing.assert_array_equal(a.is_crowd, b.is_crowd)
 
 
+def test_chunked_parsing_gives_the_same_examples(tmp_path, monkeypatch):
+    """Images out of id order with names of many lengths, parsed 3 entries and re-sorted 2 names at a time."""
+    rng = np.random.default_rng(2)
+    images, annotations = [], []
+    for image_id in rng.permutation(np.arange(1, 12)).tolist():
+        name = "x" * image_id + f"{image_id}.png"
+        width, height = rng.integers(4, 24, 2).tolist()
+        _save(tmp_path / name, "RGB", (width, height))
+        images.append({"id": image_id, "file_name": name})
+        annotations += [_ann(image_id, [1, 1, 2 + image_id % 3, 2])] * (image_id % 3)
+    json_path = _write_json(tmp_path / "instances.json", images, annotations)
+    whole = _read(json_path, tmp_path)
+    monkeypatch.setattr(coco_json, "_PARSE_CHUNK", 3)
+    monkeypatch.setattr(coco_json, "_READ_BLOCK", 2)
+    chunked = _read(json_path, tmp_path)
+    assert chunked[1] == whole[1]
+    assert [e.image_id for e in chunked[0]] == list(range(1, 12))
+    for a, b in zip(chunked[0], whole[0]):
+        assert a.image_bytes == b.image_bytes == (tmp_path / ("x" * a.image_id + f"{a.image_id}.png")).read_bytes()
+        assert (a.height, a.width) == (b.height, b.width)
+        np.testing.assert_array_equal(a.boxes_yxyx, b.boxes_yxyx)
+        assert len(a.labels) == a.image_id % 3
+
+
 def test_ground_truth_columns_are_the_ground_truth_dicts(tmp_path):
     """Scoring's columns hold what COCO evaluation of the dicts reads: crowds, defaults and drops included."""
     json_path, _ = _write_scoring_folder(tmp_path)
