@@ -1,41 +1,81 @@
 """Plain ViT backbone for detection (ViTDet, Li et al. 2022); its simple feature pyramid is in `necks`.
 
-The backbone is a non-hierarchical ViT at patch 16: most blocks attend
-within non-overlapping windows, every `global_attention_every`-th block
-attends globally. Blocks of equal shape are stacked with `nn.scan`, so the
-compiled program holds one block body however deep the model is.
+The backbone is a non-hierarchical ViT: most blocks attend within
+non-overlapping windows, every `global_attention_every`-th block attends
+globally. Blocks of equal shape are stacked with `nn.scan`, so the compiled
+program holds one block body however deep the model is.
+
+One module covers the plain ViT (MAE, DeiT) and the foundation backbones
+through options (see `ViT`): DINOv2 (patch 14, class token with its own
+position, optional registers, LayerScale, SwiGLU for ViT-g), DINOv3 (patch
+16, no absolute position but 2-D RoPE, registers, LayerScale, SwiGLU for
+H+/7B, no or q/v-only qkv bias, LayerNorm eps 1e-5) and EVA-02 (patch 14,
+absolute position plus 'cat' RoPE on a reference grid, q/v-only bias,
+SwiGLU with a LayerNorm over the hidden units). `weight_import` maps their
+timm and transformers checkpoints onto it.
 
 Logical axis names (mapped to mesh axes by `config.sharding.rules`):
   parameters  'embed' (model width of the matmul kernels: FSDP), 'heads' and
               'mlp' (tensor parallel), 'kv' (head width), 'norm' (vectors
               of model width), 'stages'/'layers' (scanned stacks);
   activations ('batch', 'height', 'width', 'act_embed') for the token grid,
+              ('batch', None, 'act_embed') for the prefix (class, register) tokens,
               ('batch', 'tokens', 'act_heads', 'kv') inside attention and
               ('batch', 'tokens', 'act_mlp') inside the MLP.
 With heads and mlp on `model`, each block is the Megatron layout: the qkv and
 fc1 kernels are split by output, the out-projection and fc2 kernels by input,
-so the forward pass of a block needs exactly two all-reduces.
+so the forward pass of a block needs exactly two all-reduces, LoRA adapters
+included (the adapters of the out-projection and fc2 contract the split axis
+too, but XLA sums their partial products into the kernels' before the one
+all-reduce; tests/integration/test_model_parallel.py counts them).
+`mlp_norm` adds reductions over `model`: the mean and variance over the
+sharded hidden units, two more all-reduces of one value per token.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import math
+from collections.abc import Mapping
 from typing import Any
 
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from detector.errors import ConfigError
-from detector.models.layers import LayerNorm, conv, rematerialized
+from detector.models.layers import LayerNorm, conv, normalize, rematerialized
 
 TOKEN_GRID_AXES = ("batch", "height", "width", "act_embed")
+PREFIX_AXES = ("batch", None, "act_embed")
 HEAD_AXES = ("batch", "tokens", "act_heads", "kv")
 MLP_AXES = ("batch", "tokens", "act_mlp")
+PATCH_SIZES = (14, 16)
+ROPES = ("", "dinov3", "eva02")
+MLPS = ("gelu", "swiglu")
+QKV_BIASES = ("all", "qv", "none")
+# The stride of the map the simple feature pyramid and DINO read as level 4.
+FEATURE_STRIDE = 16
 
 
 def layer_norm(dtype: Any, name: str, epsilon: float = 1e-6) -> LayerNorm:
     """LayerNorm over the last axis with float32 parameters named ('norm',), computing in `dtype`."""
     return LayerNorm(epsilon=epsilon, dtype=dtype, name=name)
+
+
+class HiddenNorm(nn.Module):
+    """LayerNorm over the MLP's hidden units (EVA-02's `mlp.norm`): parameters named ('mlp',), like the units."""
+
+    epsilon: float = 1e-6
+    dtype: Any = jnp.float32
+
+    @nn.compact
+    def __call__(self, x: jax.Array) -> jax.Array:
+        features = (x.shape[-1],)
+        scale = self.param("scale", nn.with_logical_partitioning(nn.initializers.ones, ("mlp",)), features)
+        bias = self.param("bias", nn.with_logical_partitioning(nn.initializers.zeros, ("mlp",)), features)
+        return normalize(x, scale, bias, self.epsilon).astype(self.dtype)
 
 
 def _window_partition(x: jax.Array, window: int) -> tuple[jax.Array, tuple[int, int]]:
@@ -56,11 +96,62 @@ def _window_unpartition(windows: jax.Array, window: int, padded_hw: tuple[int, i
     return x.reshape(-1, hp, wp, c)[:, : hw[0], : hw[1], :]
 
 
+def rope_angles(
+    kind: str, grid: tuple[int, int], head_dim: int, temperature: float, reference_grid: int = 0
+) -> np.ndarray:
+    """Rotation angles in radians of a `grid` of patch tokens: `[h * w, head_dim // 2]` float32, tokens row by row.
+
+    Channel pair j of a head turns by `position[axis] * temperature ** -(i / n)`
+    with n = head_dim // 4 frequencies, axis = j // n (0: row, 1: column) and
+    i = j % n. The position is, for 'dinov3' (timm's RotaryEmbeddingDinoV3,
+    transformers' DINOv3ViTRopePositionEmbedding), 2 pi times the patch
+    centre normalised to [-1, 1] along each axis separately; for 'eva02'
+    (timm's RotaryEmbeddingCat, index grid) the patch index, rescaled to a
+    `reference_grid`-long axis when that is not 0 (EVA's `ref_feat_shape`).
+    Computed in float64 on the host from static shapes: no parameters.
+    """
+    if kind not in ROPES[1:]:
+        raise ConfigError(f"model.backbone.rope={kind!r}; use one of {', '.join(repr(r) for r in ROPES)}")
+    bands = head_dim // 4
+    inverse_periods = float(temperature) ** (-np.arange(bands, dtype=np.float64) / bands)
+    if kind == "dinov3":
+        coords = [2.0 * math.pi * (2.0 * (np.arange(s, dtype=np.float64) + 0.5) / s - 1.0) for s in grid]
+    else:
+        coords = [np.arange(s, dtype=np.float64) * (reference_grid / s if reference_grid else 1.0) for s in grid]
+    rows, cols = np.meshgrid(*coords, indexing="ij")
+    angles = np.concatenate([rows.reshape(-1, 1) * inverse_periods, cols.reshape(-1, 1) * inverse_periods], axis=1)
+    return angles.astype(np.float32)
+
+
+def rotate(x: jax.Array, cos: jax.Array, sin: jax.Array, interleaved: bool) -> jax.Array:
+    """RoPE on `x [..., head_dim]` with `cos`, `sin` `[..., head_dim // 2]` (broadcast against x's leading dims).
+
+    Pairs (j, j + head_dim/2) turn together (timm's rotate_half=True, DINOv3),
+    or (2j, 2j + 1) when `interleaved` (EVA's 'cat' layout).
+    """
+    if interleaved:
+        pairs = x.reshape(*x.shape[:-1], -1, 2)
+        first, second = pairs[..., 0], pairs[..., 1]
+    else:
+        first, second = jnp.split(x, 2, axis=-1)
+    cos, sin = cos.astype(x.dtype), sin.astype(x.dtype)
+    turned = (first * cos - second * sin, second * cos + first * sin)
+    if interleaved:
+        return jnp.stack(turned, axis=-1).reshape(x.shape)
+    return jnp.concatenate(turned, axis=-1)
+
+
 class Projection(nn.Module):
-    """`x @ kernel + bias` contracting the last `contract` dims of x, for kernels of any rank.
+    """`x @ kernel + bias` contracting the last `contract` dims of x, for kernels of any rank, with optional LoRA.
 
     (`nn.DenseGeneral` initialises a flattened 2-D kernel, which cannot carry
     one logical name per dimension of the multi-dimensional kernel.)
+    With `lora_rank` r > 0 it adds `(x @ lora_a) @ lora_b * (lora_alpha / r)`:
+    `lora_a` `[in..., r]` (Kaiming-uniform, as the LoRA paper's code), `lora_b`
+    `[r, out...]` (zeros, so training starts from the plain projection),
+    named like the kernel's input and output axes so they shard with it.
+    `bias_mask`, if given, scales the bias along its first axis by constants
+    (EVA-02's qkv has no k bias: (1, 0, 1)).
     """
 
     features: tuple[int, ...]
@@ -70,6 +161,10 @@ class Projection(nn.Module):
     dtype: Any = jnp.float32
     kernel_init: Any = None  # None: Glorot-uniform over the whole fan-in and fan-out, as for a 2-D kernel
     bias_init: Any = nn.initializers.zeros
+    use_bias: bool = True
+    bias_mask: tuple[float, ...] | None = None
+    lora_rank: int = 0
+    lora_alpha: float = 1.0
 
     @nn.compact
     def __call__(self, x: jax.Array) -> jax.Array:
@@ -82,94 +177,273 @@ class Projection(nn.Module):
         kernel = self.param(
             "kernel", nn.with_logical_partitioning(init, self.kernel_axes), (*in_shape, *self.features), jnp.float32
         )
+        x_dims = tuple(range(x.ndim - self.contract, x.ndim))
+        x = x.astype(self.dtype)
+        y = jax.lax.dot_general(x, kernel.astype(self.dtype), ((x_dims, in_dims), ((), ())))
+        if self.lora_rank:
+            a_init = nn.initializers.variance_scaling(
+                1.0 / 3.0, "fan_in", "uniform", in_axis=in_dims, out_axis=(self.contract,)
+            )
+            lora_a = self.param(
+                "lora_a",
+                nn.with_logical_partitioning(a_init, (*self.kernel_axes[: self.contract], None)),
+                (*in_shape, self.lora_rank),
+                jnp.float32,
+            )
+            lora_b = self.param(
+                "lora_b",
+                nn.with_logical_partitioning(nn.initializers.zeros, (None, *self.kernel_axes[self.contract :])),
+                (self.lora_rank, *self.features),
+                jnp.float32,
+            )
+            low = jax.lax.dot_general(x, lora_a.astype(self.dtype), ((x_dims, in_dims), ((), ())))
+            update = jax.lax.dot_general(low, lora_b.astype(self.dtype), (((low.ndim - 1,), (0,)), ((), ())))
+            y = y + update * jnp.asarray(self.lora_alpha / self.lora_rank, self.dtype)
+        if not self.use_bias:
+            return y
         bias = self.param(
             "bias", nn.with_logical_partitioning(self.bias_init, self.bias_axes), self.features, jnp.float32
         )
-        x_dims = tuple(range(x.ndim - self.contract, x.ndim))
-        y = jax.lax.dot_general(x.astype(self.dtype), kernel.astype(self.dtype), ((x_dims, in_dims), ((), ())))
+        if self.bias_mask is not None:
+            mask = np.asarray(self.bias_mask, np.float32).reshape(-1, *([1] * (len(self.features) - 1)))
+            bias = bias * mask
         return y + bias.astype(self.dtype)
 
 
+def merge_lora(backbone_params: Mapping, alpha_over_rank: float) -> dict:
+    """`backbone_params` with every LoRA adapter folded into its kernel and the `lora_*` leaves removed.
+
+    `kernel [stack..., in..., out...] + lora_a [stack..., in..., r] . lora_b
+    [stack..., r, out...] * alpha_over_rank` (the contraction over r, per
+    scanned slice), so a ViT with `lora_rank=0` computes with the result what
+    the adapted ViT computes, e.g. for export. Leaves may be arrays or boxed
+    (logically partitioned); they keep their form.
+    """
+    merged = {}
+    for name, value in backbone_params.items():
+        if isinstance(value, Mapping) and "lora_a" in value and "lora_b" in value and "kernel" in value:
+            boxed = value["kernel"]
+            kernel, a, b = (
+                leaf.unbox() if isinstance(leaf, nn.meta.AxisMetadata) else leaf
+                for leaf in (boxed, value["lora_a"], value["lora_b"])
+            )
+            stack = a.ndim + b.ndim - 2 - kernel.ndim
+            a_flat = a.reshape(*a.shape[:stack], -1, a.shape[-1])
+            b_flat = b.reshape(*b.shape[: stack + 1], -1)
+            update = jnp.matmul(a_flat.astype(jnp.float32), b_flat.astype(jnp.float32)).reshape(kernel.shape)
+            new_kernel = (kernel + update * alpha_over_rank).astype(kernel.dtype)
+            rest = {k: v for k, v in value.items() if k not in ("lora_a", "lora_b", "kernel")}
+            kernel_leaf = boxed.replace_boxed(new_kernel) if isinstance(boxed, nn.meta.AxisMetadata) else new_kernel
+            merged[name] = {**rest, "kernel": kernel_leaf}
+        elif isinstance(value, Mapping):
+            merged[name] = merge_lora(value, alpha_over_rank)
+        else:
+            merged[name] = value
+    return merged
+
+
+@dataclasses.dataclass(frozen=True)
+class BlockOptions:
+    """What shapes a block beyond its heads, MLP width and window (see `ViT` for each)."""
+
+    mlp: str = "gelu"
+    mlp_norm: bool = False
+    qkv_bias: str = "all"
+    layer_scale: float = 0.0
+    norm_epsilon: float = 1e-6
+    rope: str = ""
+    rope_temperature: float = 10000.0
+    rope_reference_grid: int = 0
+    lora_rank: int = 0
+    lora_alpha: float = 1.0
+
+
+def _rope_tables(
+    options: BlockOptions, grid: tuple[int, int], head_dim: int, prefix: int, window: int
+) -> tuple[np.ndarray, np.ndarray]:
+    """(cos, sin) `[groups or 1, tokens, 1, head_dim // 2]` for attention over the token order `Attention` builds.
+
+    The angles are those of the full grid (`rope_angles`), cut into windows like
+    the tokens when `window` (padding tokens turn by 0: cos 1, sin 0), after
+    `prefix` unturned tokens otherwise.
+    """
+    angles = rope_angles(options.rope, grid, head_dim, options.rope_temperature, options.rope_reference_grid)
+    cos, sin = np.cos(angles.astype(np.float64)), np.sin(angles.astype(np.float64))
+    if window:
+        h, w = grid
+        pad = ((0, -h % window), (0, -w % window), (0, 0))
+        tables = []
+        for table, fill in ((cos, 1.0), (sin, 0.0)):
+            padded = np.pad(table.reshape(h, w, -1), pad, constant_values=fill)
+            hp, wp, d = padded.shape
+            windows = padded.reshape(hp // window, window, wp // window, window, d).transpose(0, 2, 1, 3, 4)
+            tables.append(windows.reshape(-1, window * window, 1, d))
+        cos, sin = tables
+    else:
+        d = cos.shape[-1]
+        cos = np.concatenate([np.ones((prefix, d)), cos])[None, :, None]
+        sin = np.concatenate([np.zeros((prefix, d)), sin])[None, :, None]
+    return cos.astype(np.float32), sin.astype(np.float32)
+
+
 class Attention(nn.Module):
-    """Multi-head self-attention over a `[B, H, W, E]` token grid, global or windowed."""
+    """Multi-head self-attention over a `[B, H, W, E]` token grid (and `[B, P, E]` prefix tokens), global or windowed.
+
+    `__call__(x, prefix=None) -> (x', prefix')`; prefix tokens (class,
+    registers) attend and are attended to only in global attention, and are
+    never rotated by RoPE.
+    """
 
     num_heads: int
     window_size: int  # 0: global attention
     dtype: Any = jnp.float32
+    options: BlockOptions = BlockOptions()
 
     @nn.compact
-    def __call__(self, x: jax.Array) -> jax.Array:
+    def __call__(self, x: jax.Array, prefix: jax.Array | None = None) -> tuple[jax.Array, jax.Array | None]:
         b, h, w, embed = x.shape
         head_dim = embed // self.num_heads
+        options = self.options
+        num_prefix = 0 if prefix is None else prefix.shape[1]
         if self.window_size:
+            if num_prefix:
+                raise ConfigError("prefix tokens need global attention in every block (global_attention_every=1)")
             x, padded_hw = _window_partition(x, self.window_size)
-        groups, gh, gw, _ = x.shape
-        tokens = x.reshape(groups, gh * gw, embed)
+            groups, gh, gw, _ = x.shape
+            tokens = x.reshape(groups, gh * gw, embed)
+        else:
+            tokens = x.reshape(b, h * w, embed)
+            if num_prefix:
+                tokens = jnp.concatenate([prefix.astype(tokens.dtype), tokens], axis=1)
+        lora = dict(lora_rank=options.lora_rank, lora_alpha=options.lora_alpha)
         qkv = Projection(
             (3, self.num_heads, head_dim),
             ("embed", None, "heads", "kv"),
             (None, "heads", "kv"),
             dtype=self.dtype,
+            use_bias=options.qkv_bias != "none",
+            # EVA-02 and DINOv3-qkvb learn q and v biases only: k's stays 0.
+            bias_mask=(1.0, 0.0, 1.0) if options.qkv_bias == "qv" else None,
+            **lora,
             name="qkv",
         )(tokens)
         q, k, v = (nn.with_logical_constraint(qkv[:, :, i], HEAD_AXES) for i in range(3))
+        if options.rope:
+            # Constants of the static grid shape, folded into the program.
+            cos, sin = _rope_tables(options, (h, w), head_dim, num_prefix, self.window_size)
+            interleaved = options.rope == "eva02"
+            q, k = (rotate(t, jnp.asarray(cos), jnp.asarray(sin), interleaved) for t in (q, k))
         # Logits and softmax in float32: bf16 loses the small differences that
         # decide attention over thousands of tokens.
         logits = jnp.einsum("bqhd,bkhd->bhqk", q, k, preferred_element_type=jnp.float32) * head_dim**-0.5
         weights = jax.nn.softmax(logits, axis=-1).astype(self.dtype)
         out = nn.with_logical_constraint(jnp.einsum("bhqk,bkhd->bqhd", weights, v), HEAD_AXES)
-        out = Projection((embed,), ("heads", "kv", "embed"), ("norm",), contract=2, dtype=self.dtype, name="out")(out)
-        out = out.reshape(groups, gh, gw, embed)
+        out = Projection(
+            (embed,), ("heads", "kv", "embed"), ("norm",), contract=2, dtype=self.dtype, **lora, name="out"
+        )(out)
         if self.window_size:
-            out = _window_unpartition(out, self.window_size, padded_hw, (h, w))
-        return out
+            out = out.reshape(groups, gh, gw, embed)
+            return _window_unpartition(out, self.window_size, padded_hw, (h, w)), None
+        prefix_out = out[:, :num_prefix] if num_prefix else None
+        return out[:, num_prefix:].reshape(b, h, w, embed), prefix_out
 
 
 class Mlp(nn.Module):
+    """`[..., E] -> [..., E]`: fc1, GELU or SwiGLU, optional LayerNorm over the hidden units, fc2.
+
+    GELU: fc1 kernel `[E, hidden]`. SwiGLU: fc1 kernel `[E, 2, hidden]`, bias
+    `[2, hidden]`, index 0 the gate: `silu(x @ W0 + b0) * (x @ W1 + b1)`.
+    fc2 kernel `[hidden, E]`.
+    """
+
     hidden: int
     dtype: Any = jnp.float32
+    kind: str = "gelu"
+    norm: bool = False
+    norm_epsilon: float = 1e-6
+    lora_rank: int = 0
+    lora_alpha: float = 1.0
 
     @nn.compact
     def __call__(self, x: jax.Array) -> jax.Array:
-        b, h, w, embed = x.shape
-        tokens = x.reshape(b, h * w, embed)
-        y = nn.Dense(
-            self.hidden,
-            dtype=self.dtype,
-            param_dtype=jnp.float32,
-            kernel_init=nn.with_logical_partitioning(nn.initializers.xavier_uniform(), ("embed", "mlp")),
-            bias_init=nn.with_logical_partitioning(nn.initializers.zeros, ("mlp",)),
-            name="fc1",
-        )(tokens)
-        y = nn.with_logical_constraint(nn.gelu(y, approximate=False), MLP_AXES)
-        y = nn.Dense(
-            embed,
-            dtype=self.dtype,
-            param_dtype=jnp.float32,
-            kernel_init=nn.with_logical_partitioning(nn.initializers.xavier_uniform(), ("mlp", "embed")),
-            bias_init=nn.with_logical_partitioning(nn.initializers.zeros, ("norm",)),
-            name="fc2",
-        )(y)
-        return y.reshape(b, h, w, embed)
+        shape = x.shape
+        tokens = x.reshape(shape[0], -1, shape[-1])
+        lora = dict(lora_rank=self.lora_rank, lora_alpha=self.lora_alpha, dtype=self.dtype)
+        if self.kind == "swiglu":
+            y = Projection((2, self.hidden), ("embed", None, "mlp"), (None, "mlp"), **lora, name="fc1")(tokens)
+            y = nn.silu(y[:, :, 0]) * y[:, :, 1]
+        else:
+            y = Projection((self.hidden,), ("embed", "mlp"), ("mlp",), **lora, name="fc1")(tokens)
+            y = nn.gelu(y, approximate=False)
+        y = nn.with_logical_constraint(y, MLP_AXES)
+        if self.norm:
+            y = HiddenNorm(self.norm_epsilon, self.dtype, name="norm")(y)
+        y = Projection((shape[-1],), ("mlp", "embed"), ("norm",), **lora, name="fc2")(y)
+        return y.reshape(shape)
 
 
 class Block(nn.Module):
-    """Pre-norm transformer block on a `[B, H, W, E]` grid; `(x, _) -> (x, None)` so it can be scanned."""
+    """Pre-norm transformer block; `(x, _) -> (x, None)` so it can be scanned.
+
+    `x` is the `[B, H, W, E]` grid, or `(grid, prefix [B, P, E])` with prefix
+    tokens (then the block must attend globally). With `layer_scale` each
+    branch is scaled by a learnt `[E]` vector (`ls1`, `ls2`) before the residual sum.
+    """
 
     num_heads: int
     mlp_hidden: int
     window_size: int
     dtype: Any = jnp.float32
+    options: BlockOptions = BlockOptions()
 
     @nn.compact
-    def __call__(self, x: jax.Array, _: Any = None) -> tuple[jax.Array, None]:
+    def __call__(self, carry: Any, _: Any = None) -> tuple[Any, None]:
+        x, prefix = carry if isinstance(carry, tuple) else (carry, None)
+        options = self.options
         # Pin the incoming residual stream too: inside a scan it is the loop
         # carry, whose sharding XLA would otherwise infer from its first use.
         x = nn.with_logical_constraint(x, TOKEN_GRID_AXES)
-        y = Attention(self.num_heads, self.window_size, self.dtype, name="attn")(layer_norm(self.dtype, "norm1")(x))
-        x = nn.with_logical_constraint(x + y, TOKEN_GRID_AXES)
-        y = Mlp(self.mlp_hidden, self.dtype, name="mlp")(layer_norm(self.dtype, "norm2")(x))
-        return nn.with_logical_constraint(x + y, TOKEN_GRID_AXES), None
+        if prefix is not None:
+            prefix = nn.with_logical_constraint(prefix, PREFIX_AXES)
+
+        def scale(name):
+            if not options.layer_scale:
+                return lambda y: y
+            gamma = self.param(
+                name,
+                nn.with_logical_partitioning(nn.initializers.constant(options.layer_scale), ("norm",)),
+                (x.shape[-1],),
+                jnp.float32,
+            )
+            return lambda y: y * gamma.astype(y.dtype)
+
+        def both(fn, grid, tokens):
+            return fn(grid), None if tokens is None else fn(tokens)
+
+        norm1 = layer_norm(self.dtype, "norm1", options.norm_epsilon)
+        y, y_prefix = Attention(self.num_heads, self.window_size, self.dtype, options, name="attn")(
+            *both(norm1, x, prefix)
+        )
+        ls1 = scale("ls1")
+        x = nn.with_logical_constraint(x + ls1(y), TOKEN_GRID_AXES)
+        if prefix is not None:
+            prefix = prefix + ls1(y_prefix)
+        norm2 = layer_norm(self.dtype, "norm2", options.norm_epsilon)
+        mlp = Mlp(
+            self.mlp_hidden,
+            self.dtype,
+            options.mlp,
+            options.mlp_norm,
+            options.norm_epsilon,
+            options.lora_rank,
+            options.lora_alpha,
+            name="mlp",
+        )
+        ls2 = scale("ls2")
+        x = nn.with_logical_constraint(x + ls2(mlp(norm2(x))), TOKEN_GRID_AXES)
+        if prefix is None:
+            return (x if not isinstance(carry, tuple) else (x, None)), None
+        return (x, nn.with_logical_constraint(prefix + ls2(mlp(norm2(prefix))), PREFIX_AXES)), None
 
 
 def _block_class(remat: str, scanned: bool):
@@ -198,34 +472,60 @@ class Stage(nn.Module):
     remat: str = "none"
     scan: bool = True
     dtype: Any = jnp.float32
+    options: BlockOptions = BlockOptions()
 
     @nn.compact
-    def __call__(self, x: jax.Array, _: Any = None) -> tuple[jax.Array, None]:
+    def __call__(self, x: Any, _: Any = None) -> tuple[Any, None]:
         block_cls = _block_class(self.remat, self.scan)
+        block_args = (self.num_heads, self.mlp_hidden, self.window_size, self.dtype, self.options)
         if self.windowed_blocks and self.scan:
-            x, _ = _stack(block_cls, self.windowed_blocks, "layers")(
-                self.num_heads, self.mlp_hidden, self.window_size, self.dtype, name="windowed"
-            )(x, None)
+            x, _ = _stack(block_cls, self.windowed_blocks, "layers")(*block_args, name="windowed")(x, None)
         else:
             for i in range(self.windowed_blocks):
-                x, _ = block_cls(self.num_heads, self.mlp_hidden, self.window_size, self.dtype, name=f"windowed{i}")(
-                    x, None
-                )
-        x, _ = block_cls(self.num_heads, self.mlp_hidden, 0, self.dtype, name="global")(x, None)
+                x, _ = block_cls(*block_args, name=f"windowed{i}")(x, None)
+        x, _ = block_cls(self.num_heads, self.mlp_hidden, 0, self.dtype, self.options, name="global")(x, None)
         return x, None
 
 
 class ViT(nn.Module):
-    """ViT trunk. `__call__(images [B, H, W, 3]) -> {4: [B, H/16, W/16, embed_dim]}` (level 4 = stride 16).
+    """ViT trunk. `__call__(images [B, H, W, 3]) -> {4: [B, ceil(H/16), ceil(W/16), embed_dim]}` (level 4 = stride 16).
 
     Attributes:
-      patch_size: 16 gives the stride-16 map the simple feature pyramid expects.
+      patch_size: 16, or 14 (DINOv2, EVA-02): then the `[H/14, W/14]` token
+        grid is resized bilinearly (`jax.image.resize`, antialiased) to
+        `[ceil(H/16), ceil(W/16)]` before it is returned as level 4, so the
+        simple feature pyramid and DINO see stride 16 whatever the patch.
+        `patch_tokens` returns the grid before that resize.
       depth: number of blocks; a multiple of `global_attention_every`.
       global_attention_every: blocks per stage; the last block of each stage
         attends globally (ViTDet-B: 3, i.e. blocks 2, 5, 8, 11).
       window_size: side of the attention windows, in tokens.
       pretrain_image_size: the position embedding is learnt on this square
-        size's grid and resized to the input's grid.
+        size's grid and resized (bicubic) to the input's grid.
+      absolute_position: a learnt position embedding `pos_embed [1, g, g, E]`
+        added after the patch embedding (False for DINOv3).
+      rope: '' (none), 'dinov3' or 'eva02': 2-D rotary position embedding
+        of q and k of the patch tokens (`rope_angles`, `rotate`), recomputed
+        for every input grid; with windows, the full grid's rotation is cut
+        into the windows, so relative positions are as without them.
+      rope_temperature: the frequencies' base (DINOv3 100, EVA-02 10000).
+      rope_reference_grid: EVA-02's `ref_feat_shape` side (16): positions
+        are rescaled so the grid spans that many patches; 0: none.
+      class_token, register_tokens: learnt prefix tokens `cls_token [1, 1, E]`
+        and `reg_token [1, R, E]` carried through the blocks and dropped
+        from the output. With `absolute_position` the class token gets its
+        own `class_pos_embed [1, 1, E]` (DINOv2's pos_embed entry); registers
+        get none. Prefix tokens need `global_attention_every == 1`.
+      layer_scale: 0 for none, else the initial value of LayerScale's
+        `ls1`, `ls2` `[E]` (DINOv2/v3: 1e-5).
+      mlp: 'gelu' or 'swiglu'; mlp_hidden: its hidden units (0: embed_dim *
+        mlp_ratio); mlp_norm: LayerNorm over the hidden units before fc2
+        (EVA-02's `scale_mlp`; costs two all-reduces over `model` per block).
+      qkv_bias: 'all', 'qv' (a `[3, H, Dh]` bias whose k part the forward
+        pass multiplies by 0: EVA-02, DINOv3-qkvb) or 'none' (DINOv3).
+      norm_epsilon: every LayerNorm's epsilon (DINOv3: 1e-5).
+      lora_rank, lora_alpha: LoRA adapters (`Projection`) on qkv, out, fc1
+        and fc2 when the rank is not 0; `merge_lora` folds them in for export.
       remat: 'none', 'full' or 'dots' (see REMAT_POLICIES).
       scan: stack equal blocks with `nn.scan` (compile time independent of depth).
     """
@@ -238,12 +538,29 @@ class ViT(nn.Module):
     window_size: int = 14
     global_attention_every: int = 3
     pretrain_image_size: int = 224
+    absolute_position: bool = True
+    rope: str = ""
+    rope_temperature: float = 10000.0
+    rope_reference_grid: int = 0
+    class_token: bool = False
+    register_tokens: int = 0
+    layer_scale: float = 0.0
+    mlp: str = "gelu"
+    mlp_hidden: int = 0
+    mlp_norm: bool = False
+    qkv_bias: str = "all"
+    norm_epsilon: float = 1e-6
+    lora_rank: int = 0
+    lora_alpha: float = 1.0
     remat: str = "none"
     scan: bool = True
     dtype: Any = jnp.float32
 
-    @nn.compact
-    def __call__(self, images: jax.Array) -> dict[int, jax.Array]:
+    def _check(self) -> None:
+        def choice(key, value, allowed):
+            if value not in allowed:
+                raise ConfigError(f"model.backbone.{key}={value!r}; use one of {', '.join(repr(a) for a in allowed)}")
+
         if self.depth % self.global_attention_every:
             raise ConfigError(
                 f"model.backbone.depth={self.depth} is not a multiple of "
@@ -253,8 +570,47 @@ class ViT(nn.Module):
             raise ConfigError(
                 f"model.backbone.embed_dim={self.embed_dim} is not divisible by num_heads={self.num_heads}"
             )
-        if self.patch_size != 16:
-            raise ConfigError(f"model.backbone.patch_size={self.patch_size}; the pyramid expects 16")
+        if self.patch_size not in PATCH_SIZES:
+            raise ConfigError(
+                f"model.backbone.patch_size={self.patch_size}; use 16, or 14 (resized to the pyramid's stride 16)"
+            )
+        choice("rope", self.rope, ROPES)
+        choice("mlp", self.mlp, MLPS)
+        choice("qkv_bias", self.qkv_bias, QKV_BIASES)
+        head_dim = self.embed_dim // self.num_heads
+        if self.rope and head_dim % 4:
+            raise ConfigError(
+                f"model.backbone.rope={self.rope!r} needs a head width (embed_dim / num_heads = {head_dim}) "
+                "divisible by 4"
+            )
+        if (self.class_token or self.register_tokens) and self.global_attention_every != 1:
+            raise ConfigError(
+                f"model.backbone.class_token={self.class_token}, register_tokens={self.register_tokens}: prefix "
+                f"tokens need global attention in every block, not global_attention_every="
+                f"{self.global_attention_every}; set global_attention_every=1, or class_token=False and "
+                "register_tokens=0 (pretrained class and register tokens are then dropped on loading)"
+            )
+        if self.lora_rank < 0 or self.register_tokens < 0 or self.mlp_hidden < 0:
+            raise ConfigError("model.backbone.lora_rank, register_tokens and mlp_hidden must not be negative")
+
+    def block_options(self) -> BlockOptions:
+        return BlockOptions(
+            mlp=self.mlp,
+            mlp_norm=self.mlp_norm,
+            qkv_bias=self.qkv_bias,
+            layer_scale=self.layer_scale,
+            norm_epsilon=self.norm_epsilon,
+            rope=self.rope,
+            rope_temperature=self.rope_temperature,
+            rope_reference_grid=self.rope_reference_grid,
+            lora_rank=self.lora_rank,
+            lora_alpha=self.lora_alpha,
+        )
+
+    @nn.compact
+    def patch_tokens(self, images: jax.Array) -> jax.Array:
+        """`images [B, H, W, 3]` -> the final-normed patch tokens `[B, H/p, W/p, E]` (prefix tokens dropped)."""
+        self._check()
         x = conv(
             self.embed_dim,
             self.patch_size,
@@ -263,29 +619,57 @@ class ViT(nn.Module):
             kernel_init=nn.initializers.lecun_normal(),
             name="patch_embed",
         )(images.astype(self.dtype))
-        grid = self.pretrain_image_size // self.patch_size
-        pos = self.param(
-            "pos_embed",
-            nn.with_logical_partitioning(nn.initializers.truncated_normal(0.02), (None, None, None, "norm")),
-            (1, grid, grid, self.embed_dim),
-        )
-        if (grid, grid) != x.shape[1:3]:
-            pos = jax.image.resize(pos, (1, *x.shape[1:3], self.embed_dim), method="bicubic")
-        x = nn.with_logical_constraint(x + pos.astype(self.dtype), TOKEN_GRID_AXES)
+        b = x.shape[0]
+        embed_init = nn.initializers.truncated_normal(0.02)
+        if self.absolute_position:
+            grid = self.pretrain_image_size // self.patch_size
+            pos = self.param(
+                "pos_embed",
+                nn.with_logical_partitioning(embed_init, (None, None, None, "norm")),
+                (1, grid, grid, self.embed_dim),
+            )
+            if (grid, grid) != x.shape[1:3]:
+                pos = jax.image.resize(pos, (1, *x.shape[1:3], self.embed_dim), method="bicubic")
+            x = x + pos.astype(self.dtype)
+        x = nn.with_logical_constraint(x, TOKEN_GRID_AXES)
+
+        prefix = []
+        prefix_axes = nn.with_logical_partitioning(embed_init, (None, None, "norm"))
+        if self.class_token:
+            cls = self.param("cls_token", prefix_axes, (1, 1, self.embed_dim))
+            if self.absolute_position:
+                cls = cls + self.param("class_pos_embed", prefix_axes, (1, 1, self.embed_dim))
+            prefix.append(cls)
+        if self.register_tokens:
+            prefix.append(self.param("reg_token", prefix_axes, (1, self.register_tokens, self.embed_dim)))
+        carry: Any = x
+        if prefix:
+            tokens = jnp.concatenate(prefix, axis=1).astype(self.dtype)
+            carry = (x, jnp.broadcast_to(tokens, (b, *tokens.shape[1:])))
 
         stage_kwargs = dict(
             windowed_blocks=self.global_attention_every - 1,
             num_heads=self.num_heads,
-            mlp_hidden=int(self.embed_dim * self.mlp_ratio),
+            mlp_hidden=self.mlp_hidden or int(self.embed_dim * self.mlp_ratio),
             window_size=self.window_size,
             remat=self.remat,
             scan=self.scan,
             dtype=self.dtype,
+            options=self.block_options(),
         )
         num_stages = self.depth // self.global_attention_every
         if self.scan:
-            x, _ = _stack(Stage, num_stages, "stages")(**stage_kwargs, name="stages")(x, None)
+            carry, _ = _stack(Stage, num_stages, "stages")(**stage_kwargs, name="stages")(carry, None)
         else:
             for i in range(num_stages):
-                x, _ = Stage(**stage_kwargs, name=f"stage{i}")(x, None)
-        return {4: layer_norm(self.dtype, "norm")(x)}
+                carry, _ = Stage(**stage_kwargs, name=f"stage{i}")(carry, None)
+        x = carry[0] if prefix else carry
+        return layer_norm(self.dtype, "norm", self.norm_epsilon)(x)
+
+    def __call__(self, images: jax.Array) -> dict[int, jax.Array]:
+        x = self.patch_tokens(images)
+        if self.patch_size != FEATURE_STRIDE:
+            size = tuple(-(-s // FEATURE_STRIDE) for s in images.shape[1:3])
+            x = jax.image.resize(x, (x.shape[0], *size, x.shape[-1]), method="bilinear").astype(x.dtype)
+            x = nn.with_logical_constraint(x, TOKEN_GRID_AXES)
+        return {4: x}

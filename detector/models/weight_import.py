@@ -1,4 +1,4 @@
-"""Pretrained backbone weights: torchvision ResNet and timm ViT state dicts -> this project's backbone parameters.
+"""Pretrained backbone weights: torchvision ResNet and timm/transformers ViT state dicts -> backbone parameters.
 
 ResNet. torchvision's `resnet50()` state dict (`conv1.weight`, `bn1.*`,
 `layer{1-4}.{i}.conv{1,2,3}.weight`, `.bn{1,2,3}.*`, `.downsample.{0,1}.*`)
@@ -14,18 +14,40 @@ each BatchNorm folds into the per-channel `scale`, `bias` of
 `detector.models.layers.FrozenBatchNorm`. The classifier (`fc.*`) and the
 `num_batches_tracked` counters are not part of a backbone and are skipped.
 
-ViT. timm's `VisionTransformer` state dict (MAE, DeiT, AugReg: a plain
-pre-norm ViT at patch 16; D = width, H = heads, i = block) maps onto
-`detector.models.vit.ViT` (blocks are pre-norm in both, LayerNorm eps 1e-6):
+ViT. Every supported layout is first renamed to one canonical form, timm's
+`VisionTransformer` names (`canonical_vit_state_dict`), then mapped onto
+`detector.models.vit.ViT` (D = width, H = heads, i = block, G = grid side):
 
-  patch_embed.proj.weight [D, 3, 16, 16]  -> patch_embed/kernel [16, 16, 3, D]  (.bias -> /bias)
-  pos_embed [1, (1 +) G*G, D]             -> pos_embed [1, g, g, D]: the class token's entry
-      dropped, the rest read as the G x G grid row by row, resized (see
-      `resize_position_embedding`) to the model's g = pretrain_image_size / 16 if G != g
+  layouts (told by the patch embedding's name):
+    timm VisionTransformer: MAE, DeiT, AugReg, `vit_*_patch14_dinov2`, `..._reg4_dinov2`
+    timm Eva: `vit_*_patch16_dinov3` (+ `_qkvb`), `eva02_*_patch14_*`:
+        gamma_{1,2} -> ls{1,2}.gamma; attn.{q,k,v}_proj -> attn.qkv / q_bias, v_bias
+        (DINOv3's own files: storage_tokens -> reg_token, rope_embed.periods -> rope.periods)
+    transformers Dinov2Model / Dinov2WithRegistersModel: embeddings.{cls_token,
+        register_tokens, position_embeddings, patch_embeddings.projection}, encoder.layer.i ->
+        blocks.i, attention.attention.{query,key,value} or attention.{q,k,v}_proj -> attn.qkv,
+        attention.output.dense or o_proj -> attn.proj, layer_scale{1,2}.lambda1 -> ls{1,2}.gamma,
+        mlp.weights_in/out or gate_proj/up_proj/down_proj -> mlp.fc1_g/fc1_x/fc2, layernorm -> norm
+    transformers DINOv3ViTModel: the same, without position embeddings, (model.)layer.i ->
+        blocks.i, embeddings.patch_embeddings -> patch_embed.proj, rope_embeddings.inv_freq ->
+        rope.periods (1 / inv_freq)
+  canonical -> ViT parameters:
+  patch_embed.proj.weight [D, 3, p, p]    -> patch_embed/kernel [p, p, 3, D]  (.bias -> /bias)
+  pos_embed [1, (1 +) G*G, D]             -> pos_embed [1, g, g, D]: the class token's entry split off
+      (class_pos_embed), the rest read as the G x G grid row by row, resized (see
+      `resize_position_embedding`) to the model's g = pretrain_image_size / p if G != g
+  class entry of pos_embed [1, 1, D]      -> class_pos_embed (zeros when the file's class token has none)
+  cls_token [1, 1, D], reg_token [1, R, D] -> cls_token, reg_token
   blocks.i.norm{1,2}.{weight,bias}        -> norm{1,2}/{scale,bias}
-  blocks.i.attn.qkv.weight [3D, D]        -> attn/qkv/kernel [D, 3, H, D/H]  (.bias [3D] -> [3, H, D/H])
+  blocks.i.attn.qkv.weight [3D, D]        -> attn/qkv/kernel [D, 3, H, D/H]  (q, k, v concatenated if apart)
+  blocks.i.attn.qkv.bias [3D]             -> attn/qkv/bias [3, H, D/H]; attn.q_bias, v_bias [D] with k's 0
   blocks.i.attn.proj.weight [D, D]        -> attn/out/kernel [H, D/H, D]     (.bias -> /bias)
-  blocks.i.mlp.fc{1,2}.weight [out, in]   -> mlp/fc{1,2}/kernel [in, out]    (.bias -> /bias)
+  blocks.i.ls{1,2}.gamma [D]              -> ls{1,2}
+  blocks.i.mlp.fc1.weight [h, D]          -> mlp/fc1/kernel [D, h]           (GELU; .bias -> /bias)
+  blocks.i.mlp.fc1_{g,x}.weight [h, D]    -> mlp/fc1/kernel [D, 2, h], index 0 = g (SwiGLU; packed
+      [2h, D] fc1 of timm's GluMlp/SwiGLUPacked is split in halves, the gate first)
+  blocks.i.mlp.norm.{weight,bias} [h]     -> mlp/norm/{scale,bias}           (EVA-02's scale_mlp)
+  blocks.i.mlp.fc2.weight [D, h]          -> mlp/fc2/kernel [h, D]           (.bias -> /bias)
   norm.{weight,bias}                      -> norm/{scale,bias}
 
 With k = global_attention_every, block i = s*k + l is slice [s, l] of the
@@ -33,13 +55,26 @@ scanned `stages/windowed/...` stacks for l < k - 1 and slice [s] of
 `stages/global/...` for l = k - 1 (`stage{s}/windowed{l}/...` and
 `stage{s}/global/...` when not scanned). The head count, the stacking and the
 grid are config values no tensor of the file holds, so a ViT is mapped when it
-is loaded into a model's parameters, not when it is converted. Skipped:
-`cls_token`, `mask_token`, `head.*`, `fc_norm.*`, `decoder*` (MAE's decoder).
-The one parameter that may get nothing is the final norm, for files without
-`norm.*` (timm keeps `fc_norm` instead when it pools by averaging): it starts
-as the identity (scale 1, bias 0), as the model initialises it.
+is loaded into a model's parameters, not when it is converted.
 
-Files: torchvision or timm layout in `.pth`/`.pt` (needs torch),
+Every tensor of the file is used or deliberately dropped. Always dropped:
+`mask_token`, `head.*`, `fc_norm.*`, `lm_head.*`, `decoder*` (MAE's decoder).
+Dropped when the model has none: `cls_token` with its position entry,
+`reg_token` (ViTDet-style windowed blocks cannot carry prefix tokens).
+`rope.periods` is checked against the model's own formula (`vit.rope_angles`:
+temperature ** (i / n)) and dropped: other periods would load another network.
+Anything else the model does not use is a WeightsFileError naming it and the
+config key that makes the model fit (`layer_scale`, `mlp`, `mlp_norm`,
+`qkv_bias`, `absolute_position`, `register_tokens`, `patch_size`, ...). The
+one parameter that may get nothing is the final norm, for files without
+`norm.*` (timm keeps `fc_norm` instead when it pools by averaging): it starts
+as the identity (scale 1, bias 0), as the model initialises it. No tensor
+holds the LayerNorm epsilon (DINOv3: `norm_epsilon=1e-5`) or the RoPE kind
+of files without RoPE buffers (DINOv3: `rope='dinov3'`,
+`rope_temperature=100`; EVA-02: `rope='eva02'`, `rope_reference_grid=16`):
+the config sets them.
+
+Files: torchvision, timm or transformers layout in `.pth`/`.pt` (needs torch),
 `.safetensors` (needs safetensors) or `.npz`; or this project's layout as a
 flat `.npz` with `stem_conv/kernel`-style keys, as `save_backbone_params`
 and, for ResNets, `python -m detector.convert_pretrained` write it. Nothing
@@ -261,10 +296,12 @@ def convert_torchvision_resnet(state_dict: Mapping[str, Any], stage_sizes=(3, 4,
 
 
 TIMM_VIT_MARKER = "patch_embed.proj.weight"
-# What a timm ViT checkpoint holds beyond a detection backbone: the class
-# token and the classifier, MAE's mask token and decoder.
-_TIMM_VIT_IGNORED = ("cls_token", "mask_token")
-_TIMM_VIT_IGNORED_PREFIXES = ("head.", "fc_norm.", "decoder")
+_HF_DINOV2_MARKER = "embeddings.patch_embeddings.projection.weight"
+_HF_DINOV3_MARKER = "embeddings.patch_embeddings.weight"
+# What a ViT checkpoint holds beyond a detection backbone: the classifier and
+# pooled-feature norm, the masked-image-modelling mask token, MAE's decoder.
+_VIT_IGNORED = ("mask_token", "embeddings.mask_token")
+_VIT_IGNORED_PREFIXES = ("head.", "fc_norm.", "decoder", "lm_head.", "pooler.")
 _TIMM_BLOCK_KEY = re.compile(r"^blocks\.(\d+)\.")
 # The head count shapes no tensor (qkv is [3D, D] however it is split), so
 # the converter can only name it for timm's standard sizes: (width, depth) -> (name, heads).
@@ -274,12 +311,54 @@ _STANDARD_VITS = {
     (768, 12): ("ViT-B", 12),
     (1024, 24): ("ViT-L", 16),
     (1280, 32): ("ViT-H", 16),
+    (1536, 40): ("ViT-g", 24),
+    (4096, 40): ("ViT-7B", 32),
 }
 _VITDET_CONFIGS = {
     "ViT-B": "configs/vitdet_b_coco.py",
     "ViT-L": "configs/vitdet_l_coco.py",
     "ViT-H": "configs/vitdet_h_coco.py",
 }
+# Renames of each layout onto the canonical (timm VisionTransformer) names, applied in order.
+# `attn.{q,k,v}.*` and `mlp.fc1_packed.*` are intermediate: `_canonical_blocks` merges them.
+_BLOCK_RENAMES = (
+    (r"\.gamma_([12])$", r".ls\1.gamma"),  # timm Eva
+    (r"\.attn\.([qkv])_proj\.", r".attn.\1."),  # timm Eva unfused (EVA-02 B/L)
+    (r"\.attention\.attention\.query\.", ".attn.q."),  # transformers Dinov2 (as published)
+    (r"\.attention\.attention\.key\.", ".attn.k."),
+    (r"\.attention\.attention\.value\.", ".attn.v."),
+    (r"\.attention\.output\.dense\.", ".attn.proj."),
+    (r"\.attention\.([qkv])_proj\.", r".attn.\1."),  # transformers 5 Dinov2, DINOv3ViT
+    (r"\.attention\.o_proj\.", ".attn.proj."),
+    (r"\.layer_scale([12])\.lambda1$", r".ls\1.gamma"),
+    (r"\.mlp\.weights_in\.", ".mlp.fc1_packed."),  # transformers Dinov2 SwiGLU (ViT-g)
+    (r"\.mlp\.weights_out\.", ".mlp.fc2."),
+    (r"\.mlp\.gate_proj\.", ".mlp.fc1_g."),
+    (r"\.mlp\.down_proj\.", ".mlp.fc2."),
+)
+_TRUNK_RENAMES = {
+    "timm": (
+        (r"^storage_tokens$", "reg_token"),  # DINOv3's own checkpoints
+        (r"^rope_embed\.periods$", "rope.periods"),
+    ),
+    "transformers Dinov2": (
+        (r"^embeddings\.cls_token$", "cls_token"),
+        (r"^embeddings\.register_tokens$", "reg_token"),
+        (r"^embeddings\.position_embeddings$", "pos_embed"),
+        (r"^embeddings\.patch_embeddings\.projection\.", "patch_embed.proj."),
+        (r"^encoder\.layer\.(\d+)\.", r"blocks.\1."),
+        (r"^layernorm\.", "norm."),
+    ),
+    "transformers DINOv3ViT": (
+        (r"^embeddings\.cls_token$", "cls_token"),
+        (r"^embeddings\.register_tokens$", "reg_token"),
+        (r"^embeddings\.patch_embeddings\.", "patch_embed.proj."),
+        (r"^(?:model\.)?layer\.(\d+)\.", r"blocks.\1."),
+        (r"^rope_embeddings\.inv_freq$", "rope.inv_freq"),
+    ),
+}
+# Buffers that hold RoPE's periods (the model recomputes them: `_check_rope_periods`).
+_ROPE_PERIODS = "rope.periods"
 
 
 def _same(tensor: np.ndarray, num_heads: int) -> np.ndarray:
@@ -304,30 +383,56 @@ def _out_kernel(weight: np.ndarray, num_heads: int) -> np.ndarray:
     return weight.T.reshape(num_heads, -1, weight.shape[0])
 
 
-# Inside a block: our parameter -> (timm's tensor under `blocks.{i}.`, its conversion given the head count).
+def _gated_kernel(weights: tuple[np.ndarray, np.ndarray], num_heads: int) -> np.ndarray:
+    # (fc1_g, fc1_x) [hidden, D] each -> [D, 2, hidden], index 0 the gate.
+    return np.stack([w.T for w in weights], axis=1)
+
+
+def _gated_bias(biases: tuple[np.ndarray, np.ndarray], num_heads: int) -> np.ndarray:
+    return np.stack(biases)
+
+
+# Inside a block: our parameter -> (canonical tensor(s) under `blocks.{i}.`, conversion given the head count).
 _VIT_BLOCK_TENSORS = {
     "norm1/scale": ("norm1.weight", _same),
     "norm1/bias": ("norm1.bias", _same),
     "attn/qkv/kernel": ("attn.qkv.weight", _qkv_kernel),
-    "attn/qkv/bias": ("attn.qkv.bias", _qkv_bias),
+    "attn/qkv/bias": ("attn.qkv.bias", _qkv_bias),  # or q_bias/v_bias: see `_qkv_bias_value`
     "attn/out/kernel": ("attn.proj.weight", _out_kernel),
     "attn/out/bias": ("attn.proj.bias", _same),
+    "ls1": ("ls1.gamma", _same),
     "norm2/scale": ("norm2.weight", _same),
     "norm2/bias": ("norm2.bias", _same),
     "mlp/fc1/kernel": ("mlp.fc1.weight", _transposed),
     "mlp/fc1/bias": ("mlp.fc1.bias", _same),
+    "mlp/norm/scale": ("mlp.norm.weight", _same),
+    "mlp/norm/bias": ("mlp.norm.bias", _same),
     "mlp/fc2/kernel": ("mlp.fc2.weight", _transposed),
     "mlp/fc2/bias": ("mlp.fc2.bias", _same),
+    "ls2": ("ls2.gamma", _same),
 }
-# The ViT's parameters outside its blocks.
-_VIT_TRUNK_PARAMS = ("patch_embed/kernel", "patch_embed/bias", "pos_embed", "norm/scale", "norm/bias")
+_SWIGLU_BLOCK_TENSORS = {
+    "mlp/fc1/kernel": (("mlp.fc1_g.weight", "mlp.fc1_x.weight"), _gated_kernel),
+    "mlp/fc1/bias": (("mlp.fc1_g.bias", "mlp.fc1_x.bias"), _gated_bias),
+}
+# The ViT's parameters outside its blocks; the first two and the final norm always exist.
+_VIT_TRUNK_PARAMS = (
+    "patch_embed/kernel",
+    "patch_embed/bias",
+    "pos_embed",
+    "class_pos_embed",
+    "cls_token",
+    "reg_token",
+    "norm/scale",
+    "norm/bias",
+)
 _SCANNED_BLOCK_PARAM = re.compile(r"^stages/(windowed|global)/(.+)$")
 _UNSCANNED_BLOCK_PARAM = re.compile(r"^stage(\d+)/(?:windowed(\d+)|global)/(.+)$")
 
 
 @dataclasses.dataclass(frozen=True)
 class VitSize:
-    """What fixes a plain ViT's tensor shapes: blocks, model width, MLP hidden units, patch side in pixels."""
+    """What fixes a ViT's tensor shapes: blocks, model width, MLP hidden units, patch side in pixels."""
 
     depth: int
     width: int
@@ -337,61 +442,194 @@ class VitSize:
     def __str__(self) -> str:
         return f"depth {self.depth}, width {self.width}, MLP {self.mlp_hidden}, patch {self.patch_size}"
 
-    def timm_shapes(self) -> dict[str, tuple[int, ...]]:
-        """timm's tensor shapes at this size, without `pos_embed` (its token count is the grid's) and `norm.*`."""
-        d, hidden = self.width, self.mlp_hidden
-        block = {
-            "norm1.weight": (d,),
-            "norm1.bias": (d,),
-            "attn.qkv.weight": (3 * d, d),
-            "attn.qkv.bias": (3 * d,),
-            "attn.proj.weight": (d, d),
-            "attn.proj.bias": (d,),
-            "norm2.weight": (d,),
-            "norm2.bias": (d,),
-            "mlp.fc1.weight": (hidden, d),
-            "mlp.fc1.bias": (hidden,),
-            "mlp.fc2.weight": (d, hidden),
-            "mlp.fc2.bias": (d,),
-        }
-        shapes = {TIMM_VIT_MARKER: (d, 3, self.patch_size, self.patch_size), "patch_embed.proj.bias": (d,)}
-        for i in range(self.depth):
-            shapes.update({f"blocks.{i}.{name}": shape for name, shape in block.items()})
-        return shapes
+
+@dataclasses.dataclass(frozen=True)
+class VitFamily:
+    """What a ViT's tensors say of its architecture beyond its size, with the config key of each field."""
+
+    class_token: bool = False
+    register_tokens: int = 0
+    absolute_position: bool = True
+    layer_scale: bool = False
+    mlp: str = "gelu"
+    mlp_norm: bool = False
+    qkv_bias: str = "all"  # 'all', 'qv', 'none'; a model's is 'bias' when its config is not known
+
+    def config_keys(self) -> str:
+        """`class_token=True, register_tokens=4, ...`: the config values for this family (all of them)."""
+        return ", ".join(
+            [
+                f"class_token={self.class_token}",
+                f"register_tokens={self.register_tokens}",
+                f"absolute_position={self.absolute_position}",
+                f"layer_scale={'1e-05' if self.layer_scale else '0.0'}",
+                f"mlp={self.mlp!r}",
+                f"mlp_norm={self.mlp_norm}",
+                f"qkv_bias={self.qkv_bias!r}",
+            ]
+        )
+
+
+def _vit_shapes(size: VitSize, family: VitFamily) -> dict[str, tuple[int, ...]]:
+    """The canonical tensor shapes of a ViT, without `pos_embed`/`class_pos_embed` (grid-sized) and `norm.*`."""
+    d, hidden = size.width, size.mlp_hidden
+    block = {"norm1.weight": (d,), "norm1.bias": (d,), "attn.qkv.weight": (3 * d, d)}
+    if family.qkv_bias in ("all", "bias"):
+        block["attn.qkv.bias"] = (3 * d,)
+    elif family.qkv_bias == "qv":
+        block.update({"attn.q_bias": (d,), "attn.v_bias": (d,)})
+    block.update({"attn.proj.weight": (d, d), "attn.proj.bias": (d,), "norm2.weight": (d,), "norm2.bias": (d,)})
+    if family.mlp == "swiglu":
+        for part in ("fc1_g", "fc1_x"):
+            block.update({f"mlp.{part}.weight": (hidden, d), f"mlp.{part}.bias": (hidden,)})
+    else:
+        block.update({"mlp.fc1.weight": (hidden, d), "mlp.fc1.bias": (hidden,)})
+    if family.mlp_norm:
+        block.update({"mlp.norm.weight": (hidden,), "mlp.norm.bias": (hidden,)})
+    block.update({"mlp.fc2.weight": (d, hidden), "mlp.fc2.bias": (d,)})
+    if family.layer_scale:
+        block.update({"ls1.gamma": (d,), "ls2.gamma": (d,)})
+    shapes = {TIMM_VIT_MARKER: (d, 3, size.patch_size, size.patch_size), "patch_embed.proj.bias": (d,)}
+    if family.class_token:
+        shapes["cls_token"] = (1, 1, d)
+    if family.register_tokens:
+        shapes["reg_token"] = (1, family.register_tokens, d)
+    for i in range(size.depth):
+        shapes.update({f"blocks.{i}.{name}": shape for name, shape in block.items()})
+    return shapes
+
+
+def vit_layout(state_dict: Mapping[str, Any]) -> str | None:
+    """'timm', 'transformers Dinov2' or 'transformers DINOv3ViT' (told by the patch embedding's name), else None."""
+    for layout, marker in (
+        ("timm", TIMM_VIT_MARKER),
+        ("transformers Dinov2", _HF_DINOV2_MARKER),
+        ("transformers DINOv3ViT", _HF_DINOV3_MARKER),
+    ):
+        if marker in state_dict:
+            return layout
+    return None
 
 
 def is_timm_vit(state_dict: Mapping[str, Any]) -> bool:
-    """Whether a state dict (torch names) is a timm ViT's: told by its patch embedding, which a ResNet lacks."""
-    return TIMM_VIT_MARKER in state_dict
+    """Whether a state dict (torch names) is a ViT's, in timm's or transformers' names: told by its patch embedding."""
+    return vit_layout(state_dict) is not None
 
 
 def is_ignored_timm_vit_key(name: str) -> bool:
-    """The class token, classifier, pooled-feature norm and MAE's mask token and decoder: not in a backbone."""
-    return name in _TIMM_VIT_IGNORED or name.startswith(_TIMM_VIT_IGNORED_PREFIXES)
+    """The classifier, pooled-feature norm, mask token and MAE's decoder: in no backbone, whatever its config."""
+    return name in _VIT_IGNORED or name.startswith(_VIT_IGNORED_PREFIXES)
 
 
 def ignored_timm_vit_keys(state_dict: Mapping[str, Any]) -> list[str]:
-    """The names `convert_timm_vit` skips, sorted."""
+    """The names the converter always skips, sorted."""
     return sorted(name for name in state_dict if is_ignored_timm_vit_key(name))
 
 
+def _rename(name: str, rules) -> str:
+    for pattern, replacement in rules:
+        name = re.sub(pattern, replacement, name)
+    return name
+
+
+def canonical_vit_state_dict(state_dict: Mapping[str, Any]) -> dict[str, np.ndarray]:
+    """Any supported ViT layout -> the canonical names (timm VisionTransformer's, extended), float32 numpy.
+
+    Unchanged names pass through, so a canonical dict (the converter's output)
+    maps onto itself. Ignored tensors (`is_ignored_timm_vit_key`) are left out.
+    q/k/v projections are concatenated into `attn.qkv.weight`, their biases into
+    `attn.qkv.bias` when all three exist or kept as `attn.q_bias`/`attn.v_bias`
+    when k has none; packed SwiGLU fc1 (`[2h, D]`, gate first) is split into
+    `mlp.fc1_g`/`mlp.fc1_x`; `pos_embed` loses its class-token entry, which
+    becomes `class_pos_embed [1, 1, D]`; an inverse-frequency RoPE buffer
+    becomes `rope.periods`.
+    """
+    layout = vit_layout(state_dict) or "timm"
+    gated = any(".mlp.gate_proj." in name for name in state_dict)
+    block_rules = (*_BLOCK_RENAMES, (r"\.mlp\.up_proj\.", ".mlp.fc1_x." if gated else ".mlp.fc1."))
+    tensors: dict[str, np.ndarray] = {}
+    for name, value in state_dict.items():
+        if is_ignored_timm_vit_key(name):
+            continue
+        canonical = _rename(_rename(name, _TRUNK_RENAMES[layout]), block_rules)
+        if canonical in tensors:
+            raise WeightsFileError(f"two tensors of the file map to {canonical} (one is {name}); it mixes layouts")
+        tensors[canonical] = np.asarray(value, np.float32)
+    if "rope.inv_freq" in tensors:
+        tensors[_ROPE_PERIODS] = 1.0 / tensors.pop("rope.inv_freq")
+    if "pos_embed" in tensors:
+        side, class_entry = timm_position_grid(tensors)
+        if class_entry:
+            tensors["class_pos_embed"] = tensors["pos_embed"][:, :1]
+            tensors["pos_embed"] = tensors["pos_embed"][:, 1:]
+    blocks = sorted({int(m[1]) for name in tensors if (m := _TIMM_BLOCK_KEY.match(name))})
+    for i in blocks:
+        _canonical_block(tensors, f"blocks.{i}.")
+    return tensors
+
+
+def _canonical_block(tensors: dict[str, np.ndarray], block: str) -> None:
+    """Merges one block's q/k/v and packed fc1 tensors in place (see `canonical_vit_state_dict`)."""
+    weights = [f"{block}attn.{p}.weight" for p in "qkv"]
+    if all(name in tensors for name in weights):
+        tensors[f"{block}attn.qkv.weight"] = np.concatenate([tensors.pop(name) for name in weights])
+    biases = {p: tensors.pop(f"{block}attn.{p}.bias", tensors.pop(f"{block}attn.{p}_bias", None)) for p in "qkv"}
+    if all(b is not None for b in biases.values()):
+        tensors[f"{block}attn.qkv.bias"] = np.concatenate(list(biases.values()))
+    else:
+        for p, bias in biases.items():
+            if bias is not None:
+                tensors[f"{block}attn.{p}_bias"] = bias
+    packed = tensors.pop(f"{block}mlp.fc1_packed.weight", None)
+    packed_bias = tensors.pop(f"{block}mlp.fc1_packed.bias", None)
+    fc1, fc2 = tensors.get(f"{block}mlp.fc1.weight"), tensors.get(f"{block}mlp.fc2.weight")
+    if packed is None and fc1 is not None and fc2 is not None and fc1.shape[0] == 2 * fc2.shape[-1] != fc2.shape[0]:
+        # timm's SwiGLUPacked (DINOv2 ViT-g): fc1 twice as wide as fc2's input.
+        packed, packed_bias = tensors.pop(f"{block}mlp.fc1.weight"), tensors.pop(f"{block}mlp.fc1.bias", None)
+    if packed is not None:
+        tensors[f"{block}mlp.fc1_g.weight"], tensors[f"{block}mlp.fc1_x.weight"] = np.split(packed, 2)
+        if packed_bias is not None:
+            tensors[f"{block}mlp.fc1_g.bias"], tensors[f"{block}mlp.fc1_x.bias"] = np.split(packed_bias, 2)
+
+
 def timm_vit_size(state_dict: Mapping[str, Any]) -> VitSize:
-    """The size a timm ViT state dict declares: width and patch from `patch_embed.proj.weight`,
-    depth from the `blocks.{i}.` names, MLP width from `blocks.0.mlp.fc1.weight` (4 x width without it)."""
-    if not is_timm_vit(state_dict):
+    """The size a canonical ViT state dict declares: width and patch from `patch_embed.proj.weight`,
+    depth from the `blocks.{i}.` names, MLP width from block 0's fc1 (or fc1_g; 4 x width without either)."""
+    if TIMM_VIT_MARKER not in state_dict:
         raise WeightsFileError(
-            f"not a timm ViT state dict: it has no {TIMM_VIT_MARKER} (names: {_describe(state_dict)})"
+            f"not a ViT state dict: it has no {TIMM_VIT_MARKER}, {_HF_DINOV2_MARKER} or {_HF_DINOV3_MARKER} "
+            f"(names: {_describe(state_dict)})"
         )
     shape = tuple(np.shape(state_dict[TIMM_VIT_MARKER]))
     if len(shape) != 4 or shape[2] != shape[3]:
         raise WeightsFileError(f"{TIMM_VIT_MARKER} has shape {shape}; a ViT's is [width, 3, patch, patch]")
     blocks = [int(match[1]) for name in state_dict if (match := _TIMM_BLOCK_KEY.match(name))]
-    fc1 = state_dict.get("blocks.0.mlp.fc1.weight")
+    fc1 = state_dict.get("blocks.0.mlp.fc1.weight", state_dict.get("blocks.0.mlp.fc1_g.weight"))
     return VitSize(
         depth=max(blocks) + 1 if blocks else 0,
         width=shape[0],
         mlp_hidden=int(np.shape(fc1)[0]) if fc1 is not None and np.ndim(fc1) == 2 else 4 * shape[0],
         patch_size=shape[2],
+    )
+
+
+def vit_family(tensors: Mapping[str, Any]) -> VitFamily:
+    """The family a canonical ViT state dict declares, read from its trunk and block 0's names."""
+    reg = tensors.get("reg_token")
+    if "blocks.0.attn.qkv.bias" in tensors:
+        qkv_bias = "all"
+    elif "blocks.0.attn.q_bias" in tensors or "blocks.0.attn.v_bias" in tensors:
+        qkv_bias = "qv"
+    else:
+        qkv_bias = "none"
+    return VitFamily(
+        class_token="cls_token" in tensors,
+        register_tokens=int(np.shape(reg)[1]) if reg is not None and np.ndim(reg) == 3 else 0,
+        absolute_position="pos_embed" in tensors,
+        layer_scale="blocks.0.ls1.gamma" in tensors,
+        mlp="swiglu" if "blocks.0.mlp.fc1_g.weight" in tensors else "gelu",
+        mlp_norm="blocks.0.mlp.norm.weight" in tensors,
+        qkv_bias=qkv_bias,
     )
 
 
@@ -410,45 +648,118 @@ def timm_position_grid(state_dict: Mapping[str, Any]) -> tuple[int, bool]:
     )
 
 
-def _fit_hint(unexpected: list[str], file_size: VitSize, model_size: VitSize | None) -> str:
-    if model_size is not None and file_size != model_size:
+def _rope_temperature_of(periods: np.ndarray, head_dim: int | None = None) -> float:
+    """The temperature T of periods `T ** (i / n)`, i < n (DINOv3's schedule), or WeightsFileError if they are not."""
+    periods = np.asarray(periods, np.float64).ravel()
+    n = periods.size
+    if n < 2 or (head_dim is not None and n != head_dim // 4) or np.any(periods <= 0):
+        raise WeightsFileError(
+            f"{_ROPE_PERIODS} (RoPE periods) has {n} values; a ViT with head width {head_dim} has head_dim / 4"
+        )
+    temperature = float(periods[1] ** n)
+    expected = temperature ** (np.arange(n) / n)
+    if not np.allclose(periods, expected, rtol=1e-5, atol=0):
+        raise WeightsFileError(
+            f"{_ROPE_PERIODS} (RoPE periods) are not temperature ** (i / {n}) for any temperature: a RoPE "
+            "this model does not compute"
+        )
+    return temperature
+
+
+def _check_rope_periods(periods: np.ndarray, backbone_config: Mapping[str, Any] | None, head_dim: int) -> None:
+    """The file's RoPE periods against the model's own formula (`rope_angles`), when the config says which."""
+    temperature = _rope_temperature_of(periods, head_dim)
+    if backbone_config is None:
+        return
+    if backbone_config.get("rope", "") != "dinov3":
+        raise WeightsFileError(
+            f"the file holds DINOv3 RoPE periods ({_ROPE_PERIODS}, temperature {temperature:g}) but "
+            f"model.backbone.rope={backbone_config.get('rope', '')!r}: set rope='dinov3', "
+            f"rope_temperature={temperature:g}, absolute_position=False"
+        )
+    expected = float(backbone_config.get("rope_temperature", 10000.0)) ** (np.arange(head_dim // 4) / (head_dim // 4))
+    if not np.allclose(np.asarray(periods, np.float64), expected, rtol=1e-5, atol=0):
+        raise WeightsFileError(
+            f"the file's RoPE periods ({_ROPE_PERIODS}) are those of temperature {temperature:g}, the model's "
+            f"model.backbone.rope_temperature={backbone_config.get('rope_temperature')}: set it to {temperature:g}"
+        )
+
+
+def _family_hint(file_size: VitSize, file_family: VitFamily, model_size: VitSize, model_family: VitFamily) -> str:
+    """'set model.backbone.X=..., Y=...' for what differs between the file and the model, or ''."""
+    if file_size != model_size:
         name = _STANDARD_VITS.get((file_size.width, file_size.depth), ("",))[0]
         config = f" ({_VITDET_CONFIGS[name]} is {name})" if name in _VITDET_CONFIGS else ""
         hint = (
             f"the file is a ViT of {file_size}: set model.backbone.depth/embed_dim/num_heads/mlp_ratio "
-            f"to its size{config}, or use weights of the model's size"
+            f"(or mlp_hidden) to its size{config}, or use weights of the model's size"
         )
         if file_size.patch_size != model_size.patch_size:
-            hint += (
-                f"; patch {file_size.patch_size} checkpoints (DINOv2, EVA-02, MAE ViT-H/14) need their "
-                "patch-embedding kernel resized to 16x16, which this importer does not do"
-            )
+            hint += f"; set model.backbone.patch_size={file_size.patch_size}"
         return hint
-    if unexpected:
-        return (
-            "the backbone's blocks are timm's plain pre-norm Block (norm1, attn.qkv, attn.proj, norm2, "
-            "mlp.fc1, mlp.fc2); more tensors mean another architecture (e.g. DINOv2's LayerScale ls1/ls2, "
-            "EVA-02's rotary embeddings), which it cannot take"
-        )
-    return "every block needs all of them (ViTs built with qkv_bias=False do not fit); is the file complete?"
+    keys = []
+    if model_family.class_token and not file_family.class_token:
+        keys.append("class_token=False (the file has no cls_token)")
+    if model_family.register_tokens and model_family.register_tokens != file_family.register_tokens:
+        keys.append(f"register_tokens={file_family.register_tokens}")
+    if model_family.absolute_position != file_family.absolute_position:
+        rope = "" if file_family.absolute_position else " (no pos_embed: a RoPE ViT such as DINOv3, rope='dinov3')"
+        keys.append(f"absolute_position={file_family.absolute_position}{rope}")
+    if model_family.layer_scale != file_family.layer_scale:
+        keys.append(f"layer_scale={'1e-05 (any value: the file sets it)' if file_family.layer_scale else '0.0'}")
+    if model_family.mlp != file_family.mlp:
+        keys.append(f"mlp={file_family.mlp!r}")
+    if model_family.mlp_norm != file_family.mlp_norm:
+        keys.append(f"mlp_norm={file_family.mlp_norm}")
+    if (model_family.qkv_bias == "none") != (file_family.qkv_bias == "none"):
+        keys.append(f"qkv_bias={file_family.qkv_bias!r}")
+    return f"the file's ViT differs from the model's: set model.backbone.{', '.join(keys)}" if keys else ""
 
 
-def _check_timm_vit(state_dict: Mapping[str, Any], size: VitSize, fits: str, model_size: VitSize | None) -> None:
-    """Raises WeightsFileError unless `state_dict` holds exactly a timm ViT of `size` (ignored names aside)."""
-    expected: dict[str, tuple[int, ...] | None] = dict(size.timm_shapes())
-    expected["pos_embed"] = None
-    if "pos_embed" in state_dict:
-        side, class_token = timm_position_grid(state_dict)
-        expected["pos_embed"] = (1, side * side + class_token, size.width)
+# Tensor names -> the config key that makes a model have (or not have) them.
+_TENSOR_HINTS = (
+    (re.compile(r"\.ls[12]\.gamma$"), "LayerScale (ls1/ls2.gamma) needs model.backbone.layer_scale > 0, e.g. 1e-5"),
+    (re.compile(r"\.mlp\.fc1_[gx]\."), "a gated MLP (fc1_g/fc1_x) needs model.backbone.mlp='swiglu'"),
+    (re.compile(r"\.mlp\.norm\."), "a norm over the MLP's hidden units needs model.backbone.mlp_norm=True"),
+    (
+        re.compile(r"\.attn\.(qkv\.bias|[qv]_bias)$"),
+        "qkv biases are set by model.backbone.qkv_bias ('all', 'qv', 'none')",
+    ),
+    (re.compile(r"^pos_embed$"), "a position embedding needs model.backbone.absolute_position=True"),
+    (re.compile(r"rope"), "a RoPE buffer this importer does not recompute (it knows DINOv3's periods)"),
+)
+
+
+def _tensor_hint(names: Iterable[str]) -> str:
+    """What the config keys say about these tensor names, or that the file is incomplete."""
+    hints = []
+    for pattern, hint in _TENSOR_HINTS:
+        if any(pattern.search(name) for name in names) and hint not in hints:
+            hints.append(hint)
+    return "; ".join(hints) or "every block needs the same tensors; is the file complete?"
+
+
+def _check_vit_file(tensors: Mapping[str, Any], size: VitSize, family: VitFamily, fits: str, hint: str) -> None:
+    """Raises WeightsFileError unless canonical `tensors` hold exactly a ViT of `size` and `family`."""
+    expected: dict[str, tuple[int, ...] | None] = dict(_vit_shapes(size, family))
+    if family.absolute_position:
+        expected["pos_embed"] = None
+        if "pos_embed" in tensors:
+            side, _ = timm_position_grid(tensors)
+            expected["pos_embed"] = (1, side * side, size.width)
+    if "class_pos_embed" in tensors and family.class_token and family.absolute_position:
+        expected["class_pos_embed"] = (1, 1, size.width)
     # A final norm is optional, but then whole.
-    if "norm.weight" in state_dict or "norm.bias" in state_dict:
+    if "norm.weight" in tensors or "norm.bias" in tensors:
         expected.update({"norm.weight": (size.width,), "norm.bias": (size.width,)})
-    present = {name for name in state_dict if not is_ignored_timm_vit_key(name)}
+    if _ROPE_PERIODS in tensors:
+        expected[_ROPE_PERIODS] = tuple(np.shape(tensors[_ROPE_PERIODS]))
+    present = set(tensors)
     missing, unexpected = sorted(set(expected) - present), sorted(present - set(expected))
     misshapen = [
-        f"{name} {tuple(np.shape(state_dict[name]))} for {expected[name]}"
+        f"{name} {tuple(np.shape(tensors[name]))} for {expected[name]}"
         for name in sorted(set(expected) & present)
-        if tuple(np.shape(state_dict[name])) != expected[name]
+        if expected[name] is not None and tuple(np.shape(tensors[name])) != expected[name]
     ]
     if missing or unexpected or misshapen:
         problems = [
@@ -456,26 +767,30 @@ def _check_timm_vit(state_dict: Mapping[str, Any], size: VitSize, fits: str, mod
             f"{len(unexpected)} unexpected ({_describe(unexpected)})" if unexpected else "",
             f"{len(misshapen)} misshapen ({_describe(misshapen)})" if misshapen else "",
         ]
+        hint = hint or _tensor_hint(unexpected + missing)
         raise WeightsFileError(
-            f"the state dict does not fit {fits}: {'; '.join(p for p in problems if p)} tensors; "
-            f"{_fit_hint(unexpected, timm_vit_size(state_dict), model_size)}"
+            f"the state dict does not fit {fits}: {'; '.join(p for p in problems if p)} tensors; {hint}"
         )
 
 
 @dataclasses.dataclass(frozen=True)
 class _VitModelLayout:
     size: VitSize
+    family: VitFamily
     num_heads: int
-    grid: tuple[int, int]  # the position embedding's
-    # Each block parameter -> (its name inside a block, the timm block index of each of its stacked slices).
+    grid: tuple[int, int] | None  # the position embedding's
+    # Each block parameter -> (its name inside a block, the canonical block index of each of its stacked slices).
     blocks: dict[str, tuple[str, np.ndarray]]
 
 
 def _vit_model_layout(shapes: Mapping[str, tuple[int, ...]]) -> _VitModelLayout:
-    """Reads how `detector.models.vit.ViT` placed its blocks from its flat parameter shapes (scanned or not)."""
+    """Reads how `detector.models.vit.ViT` placed its blocks from its flat parameter shapes (scanned or not).
+
+    LoRA adapters (`lora_a`, `lora_b`) are no pretrained tensors' and are left out.
+    """
     scanned, unscanned, unknown = {}, {}, []
     for name in shapes:
-        if name in _VIT_TRUNK_PARAMS:
+        if name in _VIT_TRUNK_PARAMS or name.rsplit("/", 1)[-1].startswith("lora_"):
             continue
         if (match := _SCANNED_BLOCK_PARAM.match(name)) and match[2] in _VIT_BLOCK_TENSORS:
             scanned[name] = (match[1] == "windowed", match[2])
@@ -483,11 +798,13 @@ def _vit_model_layout(shapes: Mapping[str, tuple[int, ...]]) -> _VitModelLayout:
             unscanned[name] = (int(match[1]), None if match[2] is None else int(match[2]), match[3])
         else:
             unknown.append(name)
-    lacking = [name for name in _VIT_TRUNK_PARAMS if name not in shapes]
+    lacking = [
+        name for name in ("patch_embed/kernel", "patch_embed/bias", "norm/scale", "norm/bias") if name not in shapes
+    ]
     if unknown or lacking or not (scanned or unscanned):
         raise WeightsFileError(
             "the model's ViT is not laid out as this importer expects (detector.models.vit.ViT): "
-            f"parameters no timm tensor maps to: {_describe(unknown) or 'none'}; "
+            f"parameters no pretrained tensor maps to: {_describe(unknown) or 'none'}; "
             f"lacking: {_describe(lacking) or 'none'}"
         )
     blocks = {}
@@ -511,17 +828,33 @@ def _vit_model_layout(shapes: Mapping[str, tuple[int, ...]]) -> _VitModelLayout:
             raise WeightsFileError(
                 f"the model's ViT parameter {name} has shape {shapes[name]}; stacks of {index.shape}"
             )
-    qkv = next(shapes[name] for name, (inner, _) in blocks.items() if inner == "attn/qkv/kernel")
-    fc1 = next(shapes[name] for name, (inner, _) in blocks.items() if inner == "mlp/fc1/kernel")
+
+    def block_shape(inner: str) -> tuple[int, ...] | None:
+        found = [(shapes[name], index) for name, (i, index) in blocks.items() if i == inner]
+        return tuple(found[0][0][found[0][1].ndim :]) if found else None
+
+    qkv, fc1 = block_shape("attn/qkv/kernel"), block_shape("mlp/fc1/kernel")
+    inner_names = {inner for inner, _ in blocks.values()}
+    reg = shapes.get("reg_token")
+    family = VitFamily(
+        class_token="cls_token" in shapes,
+        register_tokens=reg[1] if reg else 0,
+        absolute_position="pos_embed" in shapes,
+        layer_scale="ls1" in inner_names,
+        mlp="swiglu" if len(fc1) == 3 else "gelu",
+        mlp_norm="mlp/norm/scale" in inner_names,
+        qkv_bias="bias" if "attn/qkv/bias" in inner_names else "none",
+    )
     return _VitModelLayout(
         size=VitSize(
             depth=num_stages * every,
-            width=shapes["pos_embed"][-1],
+            width=shapes["norm/scale"][-1],
             mlp_hidden=fc1[-1],
             patch_size=shapes["patch_embed/kernel"][0],
         ),
+        family=family,
         num_heads=qkv[-2],
-        grid=tuple(shapes["pos_embed"][1:3]),
+        grid=tuple(shapes["pos_embed"][1:3]) if "pos_embed" in shapes else None,
         blocks=blocks,
     )
 
@@ -533,9 +866,11 @@ def resize_position_embedding(pos_embed: np.ndarray, grid: tuple[int, int]) -> n
     half-pixel centres (align_corners=False), widened to antialias when
     shrinking, taps beyond the grid dropped and the rest renormalised. That is
     torch's `F.interpolate(mode='bicubic', align_corners=False,
-    antialias=True)`, timm's `resample_abs_pos_embed` default; ViTDet's
-    `get_abs_pos` uses antialias=False (a = -0.75, edges repeated), slightly
-    different. The model's forward pass resizes with this one, so loading does too.
+    antialias=True)`, timm's `resample_abs_pos_embed` default (and
+    transformers' Dinov2WithRegisters'); ViTDet's `get_abs_pos` and
+    transformers' Dinov2Model use antialias=False (a = -0.75, edges
+    repeated), slightly different. The model's forward pass resizes with
+    this one, so loading does too.
     """
     if tuple(pos_embed.shape[1:3]) == tuple(grid):
         return np.asarray(pos_embed, np.float32)
@@ -544,39 +879,105 @@ def resize_position_embedding(pos_embed: np.ndarray, grid: tuple[int, int]) -> n
     return np.asarray(jax.image.resize(on_host, (1, *grid, pos_embed.shape[-1]), method="bicubic"), np.float32)
 
 
-def convert_timm_vit(state_dict: Mapping[str, Any], backbone_params) -> dict:
-    """A timm ViT state dict -> values for `backbone_params`, a `ViT`'s parameters (initialised or abstract).
+def _qkv_bias_value(tensors: Mapping[str, np.ndarray], block: str, num_heads: int, qkv_bias: str) -> np.ndarray:
+    """`attn/qkv/bias [3, H, Dh]` from `attn.qkv.bias`, or from q_bias/v_bias with k's zero."""
+    if f"{block}attn.qkv.bias" in tensors:
+        bias = tensors[f"{block}attn.qkv.bias"].reshape(3, -1)
+        if qkv_bias == "qv" and np.any(bias[1]):
+            raise WeightsFileError(
+                f"{block}attn.qkv.bias has a non-zero k part, which model.backbone.qkv_bias='qv' masks out: "
+                "set qkv_bias='all'"
+            )
+        return _qkv_bias(bias.ravel(), num_heads)
+    q, v = tensors[f"{block}attn.q_bias"], tensors[f"{block}attn.v_bias"]
+    return _qkv_bias(np.concatenate([q, np.zeros_like(q), v]), num_heads)
+
+
+def convert_timm_vit(
+    state_dict: Mapping[str, Any], backbone_params, backbone_config: Mapping[str, Any] | None = None
+) -> dict:
+    """A ViT state dict (any layout of `canonical_vit_state_dict`) -> values for `backbone_params`, a `ViT`'s
+    parameters (initialised or abstract), LoRA adapters left out.
 
     The model's parameters tell what the file cannot: the head count (how
     qkv and proj split), which blocks are windowed and how `nn.scan` stacks
-    them, and the position embedding's grid, to which `pos_embed` is resized
-    (`resize_position_embedding`) when its own differs. Returns a nested dict
-    of float32 numpy arrays shaped like `backbone_params` (layout in the module
-    docstring). Raises WeightsFileError naming missing, unexpected (other than
-    `ignored_timm_vit_keys`) or misshapen tensors.
+    them, the position embedding's grid, to which `pos_embed` is resized
+    (`resize_position_embedding`) when its own differs, and whether the model
+    has class and register tokens: without them the file's are dropped, as
+    intended for windowed attention. `backbone_config` (`config.model.backbone`),
+    when given, adds what no parameter shows: the RoPE kind and temperature,
+    checked against RoPE periods in the file, and qkv_bias 'all' vs 'qv'.
+    Returns a nested dict of float32 numpy arrays shaped like
+    `backbone_params` (layout in the module docstring). Raises
+    WeightsFileError naming missing, unexpected or misshapen tensors, with
+    the config keys that make the model fit the file.
     """
     flat = traverse_util.flatten_dict(backbone_params, sep="/")
     shapes = {name: tuple(_leaf_value(leaf).shape) for name, leaf in flat.items()}
     model = _vit_model_layout(shapes)
-    _check_timm_vit(state_dict, model.size, f"the model's ViT ({model.size})", model.size)
+    tensors = canonical_vit_state_dict(state_dict)
+    model_family = model.family
+    if backbone_config is not None and model_family.qkv_bias == "bias":
+        model_family = dataclasses.replace(model_family, qkv_bias=backbone_config.get("qkv_bias", "all"))
+    file_size, file_family = timm_vit_size(tensors), vit_family(tensors)
+    # What the model deliberately goes without: the file's prefix tokens and their position.
+    dropped = set()
+    if not model_family.class_token:
+        dropped |= {"cls_token", "class_pos_embed"}
+    elif not model_family.absolute_position:
+        dropped.add("class_pos_embed")
+    if not model_family.register_tokens:
+        dropped.add("reg_token")
+    kept = {name: value for name, value in tensors.items() if name not in dropped}
+    # A file with q/v-only biases loads into an 'all' model (k bias 0), one with a zero k bias into a 'qv' model.
+    if model_family.qkv_bias == "none" or file_family.qkv_bias == "none":
+        bias = "none" if model_family.qkv_bias == "none" else "all"
+    else:
+        bias = file_family.qkv_bias
+    hint = _family_hint(file_size, file_family, model.size, model_family)
+    _check_vit_file(
+        kept, model.size, dataclasses.replace(model_family, qkv_bias=bias), f"the model's ViT ({model.size})", hint
+    )
+    if _ROPE_PERIODS in kept:
+        _check_rope_periods(kept[_ROPE_PERIODS], backbone_config, model.size.width // model.num_heads)
+    if backbone_config is not None and not backbone_config.get("rope") and not file_family.absolute_position:
+        raise WeightsFileError(
+            "the file has no position embedding (a RoPE ViT such as DINOv3) but model.backbone.rope='': "
+            "set rope='dinov3', rope_temperature=100.0, absolute_position=False"
+        )
 
-    def tensor(name: str) -> np.ndarray:
-        return np.asarray(state_dict[name], np.float32)
-
-    side, class_token = timm_position_grid(state_dict)
-    pos_embed = tensor("pos_embed")[:, int(class_token) :].reshape(1, side, side, model.size.width)
     params = {
-        "patch_embed/kernel": tensor(TIMM_VIT_MARKER).transpose(2, 3, 1, 0),
-        "patch_embed/bias": tensor("patch_embed.proj.bias"),
-        "pos_embed": resize_position_embedding(pos_embed, model.grid),
-        "norm/scale": tensor("norm.weight")
-        if "norm.weight" in state_dict
-        else np.ones(shapes["norm/scale"], np.float32),
-        "norm/bias": tensor("norm.bias") if "norm.bias" in state_dict else np.zeros(shapes["norm/bias"], np.float32),
+        "patch_embed/kernel": kept[TIMM_VIT_MARKER].transpose(2, 3, 1, 0),
+        "patch_embed/bias": kept["patch_embed.proj.bias"],
+        "norm/scale": kept.get("norm.weight", np.ones(shapes["norm/scale"], np.float32)),
+        "norm/bias": kept.get("norm.bias", np.zeros(shapes["norm/bias"], np.float32)),
     }
+    if model.grid is not None:
+        side, _ = timm_position_grid(kept)
+        pos_embed = kept["pos_embed"].reshape(1, side, side, model.size.width)
+        params["pos_embed"] = resize_position_embedding(pos_embed, model.grid)
+    if model_family.class_token:
+        params["cls_token"] = kept["cls_token"]
+        if "class_pos_embed" in shapes:
+            # timm's DINOv2-with-registers adds no position to its class token: zeros compute the same.
+            params["class_pos_embed"] = kept.get("class_pos_embed", np.zeros(shapes["class_pos_embed"], np.float32))
+    if model_family.register_tokens:
+        params["reg_token"] = kept["reg_token"]
     for name, (inner, index) in model.blocks.items():
-        timm_name, convert = _VIT_BLOCK_TENSORS[inner]
-        slices = [convert(tensor(f"blocks.{i}.{timm_name}"), model.num_heads) for i in index.ravel()]
+        canonical, convert = (
+            _SWIGLU_BLOCK_TENSORS[inner]
+            if model_family.mlp == "swiglu" and inner in _SWIGLU_BLOCK_TENSORS
+            else _VIT_BLOCK_TENSORS[inner]
+        )
+        slices = []
+        for i in index.ravel():
+            block = f"blocks.{i}."
+            if inner == "attn/qkv/bias":
+                slices.append(_qkv_bias_value(kept, block, model.num_heads, model_family.qkv_bias))
+            elif isinstance(canonical, tuple):
+                slices.append(convert(tuple(kept[block + c] for c in canonical), model.num_heads))
+            else:
+                slices.append(convert(kept[block + canonical], model.num_heads))
         params[name] = np.stack(slices).reshape(shapes[name])
     return traverse_util.unflatten_dict({name: np.ascontiguousarray(value) for name, value in params.items()}, sep="/")
 
@@ -626,40 +1027,47 @@ def _like(model_leaf, value: np.ndarray):
     return value
 
 
-def _from_torch_names(tensors: Mapping[str, Any], backbone_params) -> dict[str, np.ndarray]:
-    """A torchvision ResNet or timm ViT state dict -> the flat layout of `backbone_params`, or WeightsFileError."""
-    flat_model = traverse_util.flatten_dict(backbone_params, sep="/")
-    model_is_vit = "pos_embed" in flat_model
+def _from_torch_names(
+    tensors: Mapping[str, Any], backbone_params, backbone_config: Mapping[str, Any] | None = None
+) -> dict[str, np.ndarray]:
+    """A torchvision ResNet or ViT state dict -> the flat layout of `backbone_params`, or WeightsFileError."""
+    model_is_vit = "patch_embed" in backbone_params
     if is_timm_vit(tensors):
         if not model_is_vit:
             raise WeightsFileError(
-                f"it holds a timm ViT ({TIMM_VIT_MARKER}) but the model's backbone is a ResNet; "
+                f"it holds a ViT ({vit_layout(tensors)} layout) but the model's backbone is a ResNet; "
                 "use a ViT config (configs/vitdet_*.py) or a ResNet's weights"
             )
-        return flatten_backbone_params(convert_timm_vit(tensors, backbone_params))
+        return flatten_backbone_params(convert_timm_vit(tensors, backbone_params, backbone_config))
     if model_is_vit:
         raise WeightsFileError(
-            f"not a timm ViT state dict (no {TIMM_VIT_MARKER}; names: {_describe(tensors)}), "
-            "which the model's ViT backbone needs: pass a timm-layout ViT checkpoint (MAE, DeiT, ...)"
+            f"not a ViT state dict (no {TIMM_VIT_MARKER}, {_HF_DINOV2_MARKER} or {_HF_DINOV3_MARKER}; "
+            f"names: {_describe(tensors)}), which the model's ViT backbone needs: pass a timm-layout ViT checkpoint "
+            "(MAE, DeiT, DINOv2, DINOv3, EVA-02) or a transformers Dinov2Model/DINOv3ViTModel one"
         )
+    flat_model = traverse_util.flatten_dict(backbone_params, sep="/")
     return flatten_backbone_params(convert_torchvision_resnet(tensors, _model_stage_sizes(flat_model)))
 
 
-def load_backbone_params(params, path: str | os.PathLike):
+def load_backbone_params(params, path: str | os.PathLike, backbone_config: Mapping[str, Any] | None = None):
     """`params` (a whole model's) with its `backbone` subtree replaced by the weights in `path`.
 
     What `config.model.backbone.pretrained` names, for either backbone; the
     file's names tell its layout: '/'-separated ones are this project's flat
     `.npz` layout (a converted ResNet, or `save_backbone_params` of any
     backbone), loaded as they are; '.'-separated ones are a torch state dict,
-    converted here for the model's parameters: a timm ViT (it has
-    `patch_embed.proj.weight`; directly or as the converter's `.npz`) with
-    `convert_timm_vit`, else a torchvision ResNet for the model's stage sizes.
-    Every backbone leaf of `params` then gets a value of the same shape, and
-    the file must hold nothing else (ignored names aside). Leaves keep their
-    dtype, and jax.Array leaves their sharding (so this can follow a sharded
-    initialisation); boxed (logically partitioned) leaves stay boxed.
-    Raises WeightsFileError naming what does not fit.
+    converted here for the model's parameters: a ViT (timm's
+    `patch_embed.proj.weight` or transformers' patch embedding; directly or
+    as the converter's `.npz`) with `convert_timm_vit`, else a torchvision
+    ResNet for the model's stage sizes. Every backbone leaf of `params` then
+    gets a value of the same shape, and the file must hold nothing else
+    (ignored names aside), except LoRA adapters (`lora_a`, `lora_b`), which
+    no pretrained file holds and which keep the values `params` has.
+    `backbone_config` (`config.model.backbone`) lets the ViT import check
+    what no parameter shows (RoPE, qkv_bias 'qv'); see `convert_timm_vit`.
+    Leaves keep their dtype, and jax.Array leaves their sharding (so this can
+    follow a sharded initialisation); boxed (logically partitioned) leaves
+    stay boxed. Raises WeightsFileError naming what does not fit.
     """
     path = os.fspath(path)
     if "backbone" not in params:
@@ -668,10 +1076,12 @@ def load_backbone_params(params, path: str | os.PathLike):
     tensors = read_state_dict(path)
     try:
         if _has_torch_names(tensors):
-            tensors = _from_torch_names(tensors, params["backbone"])
+            tensors = _from_torch_names(tensors, params["backbone"], backbone_config)
     except WeightsFileError as e:
         raise WeightsFileError(f"{path}: {e}") from None
-    missing, unexpected = sorted(set(flat_model) - set(tensors)), sorted(set(tensors) - set(flat_model))
+    adapters = {name for name in flat_model if name.rsplit("/", 1)[-1].startswith("lora_") and name not in tensors}
+    missing = sorted(set(flat_model) - set(tensors) - adapters)
+    unexpected = sorted(set(tensors) - set(flat_model))
     if missing or unexpected:
         problems = [
             f"{len(missing)} missing ({_describe(missing)})" if missing else "",
@@ -689,6 +1099,9 @@ def load_backbone_params(params, path: str | os.PathLike):
         )
     loaded = {}
     for name, model_leaf in flat_model.items():
+        if name in adapters:
+            loaded[name] = model_leaf
+            continue
         model_shape = tuple(_leaf_value(model_leaf).shape)
         if tuple(tensors[name].shape) != model_shape:
             raise WeightsFileError(
@@ -733,48 +1146,67 @@ def _convert_torchvision(state_dict: Mapping[str, Any], input_path: str, output_
 
 
 def _convert_timm_vit(state_dict: Mapping[str, Any], input_path: str, output_path: str) -> str:
-    size = timm_vit_size(state_dict)
-    _check_timm_vit(state_dict, size, f"a timm ViT of {size} (read from {TIMM_VIT_MARKER} and blocks.*)", None)
-    side, class_token = timm_position_grid(state_dict)
-    # timm's names and layout, so one file serves any head split, stacking and grid (see the module docstring).
-    kept = {
-        name: np.asarray(value, np.float32) for name, value in state_dict.items() if not is_ignored_timm_vit_key(name)
-    }
-    kept["pos_embed"] = kept["pos_embed"][:, int(class_token) :]
-    np.savez(output_path, **kept)
-
+    layout = vit_layout(state_dict)
+    tensors = canonical_vit_state_dict(state_dict)
+    size, family = timm_vit_size(tensors), vit_family(tensors)
+    _check_vit_file(tensors, size, family, f"a ViT of {size} (read from {TIMM_VIT_MARKER} and blocks.*)", "")
     name, heads = _STANDARD_VITS.get((size.width, size.depth), ("", 0))
+    rope = ""
+    if _ROPE_PERIODS in tensors:
+        head_dim = size.width // heads if heads else None
+        rope = f", rope='dinov3', rope_temperature={_rope_temperature_of(tensors[_ROPE_PERIODS], head_dim):g}"
+    elif not family.absolute_position:
+        rope = ", rope='dinov3' (DINOv3; its rope_temperature=100.0, norm_epsilon=1e-05)"
+    # Canonical names and layout, so one file serves any head split, stacking and grid (see the module docstring).
+    np.savez(output_path, **tensors)
+
     heads_text = f"{heads} for {name}" if heads else "set model.backbone.num_heads"
     config = f"--config={_VITDET_CONFIGS[name]} " if name in _VITDET_CONFIGS and size.patch_size == 16 else ""
-    pixels = side * size.patch_size
+    position = "none (RoPE)"
+    pixels = 0
+    if family.absolute_position:
+        side, _ = timm_position_grid(tensors)
+        pixels = side * size.patch_size
+        position = (
+            f"{side}x{side} grid ({pixels} px){', with a class-token entry' if 'class_pos_embed' in tensors else ''}"
+        )
+    mlp_hidden = "" if family.mlp == "gelu" and size.mlp_hidden == 4 * size.width else f", mlp_hidden={size.mlp_hidden}"
     lines = [
-        f"{input_path}: timm ViT, {size}; heads not stored ({heads_text}); position embedding: "
-        f"{side}x{side} grid ({pixels} px){', after a class token' if class_token else ''}",
-        f"kept {len(kept)} tensors ({sum(v.size for v in kept.values()) / 1e6:.2f}M values) in timm's names and "
-        "layout, the position embedding without the class token: the model's head count, block stacking and "
-        "grid are applied when it loads them",
+        f"{input_path}: {layout} ViT, {size}; heads not stored ({heads_text}); position embedding: {position}",
+        f"its family: model.backbone.patch_size={size.patch_size}, {family.config_keys()}{mlp_hidden}{rope}",
+        f"kept {len(tensors)} tensors ({sum(v.size for v in tensors.values()) / 1e6:.2f}M values) in timm's names "
+        "and layout (q/k/v and gated MLP merged, the class token's position entry as class_pos_embed): the "
+        "model's head count, block stacking and grid are applied when it loads them; a model without class or "
+        "register tokens drops the file's",
         f"ignored: {_group_names(ignored_timm_vit_keys(state_dict)) or 'nothing'}",
     ]
-    if "norm.weight" not in kept:
+    if "norm.weight" not in tensors:
         lines.append("no final norm (norm.*) in the file: the backbone's final LayerNorm starts as the identity")
+    grid_text = (
+        f" (pretrain_image_size={pixels} keeps the {pixels // size.patch_size} grid; another is resized bicubically "
+        "on loading)"
+        if pixels
+        else ""
+    )
     lines.append(
-        f"wrote {output_path}; train a ViT of this size with {config}--config.model.backbone.pretrained={output_path} "
-        f"(pretrain_image_size={pixels} keeps the {side}x{side} grid; another is resized bicubically on loading)"
+        f"wrote {output_path}; train a ViT of this size and family with {config}"
+        f"--config.model.backbone.pretrained={output_path}{grid_text}"
     )
     return "\n".join(lines)
 
 
 def convert_pretrained_file(input_path: str | os.PathLike, output_path: str | os.PathLike) -> str:
-    """Converts a torchvision ResNet or timm ViT state dict file to a flat `.npz`; returns what it did, as text.
+    """Converts a torchvision ResNet or ViT state dict file to a flat `.npz`; returns what it did, as text.
 
-    What `python -m detector.convert_pretrained` runs; a timm ViT is told by
-    `patch_embed.proj.weight`. A ResNet is converted to this project's layout
-    (stage sizes and width from the state dict, BatchNorms folded into frozen
-    scale/bias). A ViT keeps timm's names: the tensors the backbone uses, as
-    float32, `pos_embed` at its own grid without the class token's entry; the
-    mapping needs the model's head count and block layout, so it happens in
-    `load_backbone_params`, and one file serves every input size. Ignored
-    tensors are listed.
+    What `python -m detector.convert_pretrained` runs; a ViT is told by its
+    patch embedding (timm's or transformers'). A ResNet is converted to this
+    project's layout (stage sizes and width from the state dict, BatchNorms
+    folded into frozen scale/bias). A ViT is written in the canonical timm
+    names (`canonical_vit_state_dict`), as float32, checked to be a complete
+    ViT of the family its tensors declare, which the report names as config
+    keys; the mapping needs the model's head count and block layout, so it
+    happens in `load_backbone_params`, and one file serves every input size.
+    Ignored tensors are listed.
     """
     input_path, output_path = os.fspath(input_path), os.fspath(output_path)
     state_dict = read_state_dict(input_path)

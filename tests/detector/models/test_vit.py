@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import re
+
+import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -9,7 +12,7 @@ import pytest
 
 from detector.errors import ConfigError
 from detector.models.necks import SimpleFeaturePyramid
-from detector.models.vit import Block, ViT, _window_partition, _window_unpartition
+from detector.models.vit import Block, ViT, _window_partition, _window_unpartition, merge_lora, rope_angles, rotate
 
 
 def tiny_vit(**overrides) -> ViT:
@@ -110,4 +113,194 @@ def test_simple_feature_pyramid_builds_levels_3_to_7():
 )
 def test_bad_vit_settings_name_the_config_key(overrides, message):
     with pytest.raises(ConfigError, match=message):
+        tiny_vit(**overrides).init(jax.random.key(0), jnp.zeros((1, 64, 64, 3)))
+
+
+# ---- foundation-backbone options ----
+
+
+def init_and_apply(vit, size=(64, 64), seed=0):
+    images = jax.random.normal(jax.random.key(seed), (1, *size, 3))
+    params = vit.init(jax.random.key(1), images)
+    return params, vit.apply(params, images)[4], images
+
+
+def param_shapes(params):
+    return {
+        "/".join(str(k.key) for k in path): leaf.shape
+        for path, leaf in jax.tree_util.tree_leaves_with_path(nn.meta.unbox(params["params"]))
+    }
+
+
+def test_default_options_keep_the_plain_vit_parameters():
+    shapes = param_shapes(tiny_vit().init(jax.random.key(0), jnp.zeros((1, 64, 64, 3))))
+    assert shapes["stages/windowed/mlp/fc1/kernel"] == (2, 1, 32, 128)
+    assert shapes["stages/global/attn/qkv/bias"] == (2, 3, 4, 8)
+    assert not any(k in name for name in shapes for k in ("ls1", "cls_token", "reg_token", "lora", "mlp/norm"))
+
+
+@pytest.mark.parametrize(
+    "options, present, absent",
+    [
+        (dict(layer_scale=1e-5), {"stages/global/ls1": (2, 32), "stages/global/ls2": (2, 32)}, ()),
+        (
+            dict(mlp="swiglu", mlp_hidden=24, mlp_norm=True),
+            {
+                "stages/global/mlp/fc1/kernel": (2, 32, 2, 24),
+                "stages/global/mlp/fc1/bias": (2, 2, 24),
+                "stages/global/mlp/norm/scale": (2, 24),
+                "stages/global/mlp/fc2/kernel": (2, 24, 32),
+            },
+            (),
+        ),
+        (dict(qkv_bias="none"), {"stages/global/attn/qkv/kernel": (2, 32, 3, 4, 8)}, ("stages/global/attn/qkv/bias",)),
+        (dict(absolute_position=False, rope="dinov3"), {"patch_embed/kernel": (16, 16, 3, 32)}, ("pos_embed",)),
+        (
+            dict(global_attention_every=1, class_token=True, register_tokens=3),
+            {"cls_token": (1, 1, 32), "class_pos_embed": (1, 1, 32), "reg_token": (1, 3, 32)},
+            (),
+        ),
+        (
+            dict(lora_rank=2),
+            {
+                "stages/global/attn/qkv/lora_a": (2, 32, 2),
+                "stages/global/attn/qkv/lora_b": (2, 2, 3, 4, 8),
+                "stages/global/attn/out/lora_a": (2, 4, 8, 2),
+                "stages/global/mlp/fc2/lora_b": (2, 2, 32),
+            },
+            (),
+        ),
+    ],
+    ids=["layer_scale", "swiglu_norm", "no_qkv_bias", "rope_only", "prefix_tokens", "lora"],
+)
+def test_each_option_changes_the_parameters_and_the_output(options, present, absent):
+    _, plain, _ = init_and_apply(tiny_vit())
+    vit = tiny_vit(**options)
+    params, out, _ = init_and_apply(vit)
+    shapes = param_shapes(params)
+    assert {name: shapes.get(name) for name in present} == present
+    assert not set(absent) & set(shapes)
+    assert out.shape == plain.shape
+    if "lora_rank" not in options:  # LoRA starts as the identity (tested below)
+        assert not np.allclose(out, plain, atol=1e-3)
+
+
+def test_logical_axes_of_the_new_parameters():
+    vit = tiny_vit(
+        global_attention_every=1, class_token=True, layer_scale=0.1, mlp="swiglu", mlp_norm=True, lora_rank=2
+    )
+    params = vit.init(jax.random.key(0), jnp.zeros((1, 64, 64, 3)))["params"]
+    block = params["stages"]["global"]
+    assert block["ls1"].names == ("stages", "norm")
+    assert block["mlp"]["fc1"]["kernel"].names == ("stages", "embed", None, "mlp")
+    assert block["mlp"]["fc1"]["bias"].names == ("stages", None, "mlp")
+    assert block["mlp"]["norm"]["scale"].names == ("stages", "mlp")
+    assert block["attn"]["qkv"]["lora_a"].names == ("stages", "embed", None)
+    assert block["attn"]["qkv"]["lora_b"].names == ("stages", None, None, "heads", "kv")
+    assert block["attn"]["out"]["lora_a"].names == ("stages", "heads", "kv", None)
+    assert params["cls_token"].names == (None, None, "norm")
+
+
+def test_qv_bias_ignores_the_k_part():
+    vit = tiny_vit(qkv_bias="qv")
+    params, out, images = init_and_apply(vit)
+    changed = jax.tree.map(lambda x: x, nn.meta.unbox(params))
+    bias = changed["params"]["stages"]["global"]["attn"]["qkv"]["bias"]
+    changed["params"]["stages"]["global"]["attn"]["qkv"]["bias"] = bias.at[:, 1].add(3.0)
+    np.testing.assert_array_equal(vit.apply(changed, images)[4], out)
+    changed["params"]["stages"]["global"]["attn"]["qkv"]["bias"] = bias.at[:, 0].add(3.0)
+    assert not np.allclose(vit.apply(changed, images)[4], out, atol=1e-3)
+
+
+def reference_angles(kind, grid, head_dim, temperature, reference):
+    """The formulas as timm writes them, one token and one channel pair at a time."""
+    h, w = grid
+    n = head_dim // 4
+    angles = np.zeros((h * w, head_dim // 2))
+    for y in range(h):
+        for x in range(w):
+            for j in range(head_dim // 2):
+                axis, band = divmod(j, n)
+                position, size = (y, h) if axis == 0 else (x, w)
+                if kind == "dinov3":  # centre normalised to [-1, 1], period temperature ** (4 band / head_dim)
+                    coord = 2 * ((position + 0.5) / size) - 1
+                    angles[y * w + x, j] = 2 * np.pi * coord / temperature ** (4 * band / head_dim)
+                else:  # index (rescaled to the reference grid) times 1 / temperature ** (band / n)
+                    coord = position / size * reference if reference else position
+                    angles[y * w + x, j] = coord / temperature ** (band / n)
+    return angles
+
+
+@pytest.mark.parametrize(
+    "kind,grid,head_dim,temperature,reference",
+    [("dinov3", (3, 5), 16, 100.0, 0), ("eva02", (4, 3), 24, 10000.0, 16), ("eva02", (2, 2), 8, 10000.0, 0)],
+)
+def test_rope_angles_match_the_reference_formula(kind, grid, head_dim, temperature, reference):
+    np.testing.assert_allclose(
+        rope_angles(kind, grid, head_dim, temperature, reference),
+        reference_angles(kind, grid, head_dim, temperature, reference),
+        rtol=1e-6,
+        atol=1e-6,
+    )
+
+
+def test_rotate_pairs_channels_as_each_layout_does():
+    x = jnp.arange(8.0)
+    cos, sin = jnp.zeros(4), jnp.ones(4)  # a quarter turn
+    # Half layout: (x_j, x_{j+4}) -> (-x_{j+4}, x_j); interleaved: (x_2j, x_2j+1) -> (-x_2j+1, x_2j).
+    np.testing.assert_array_equal(rotate(x, cos, sin, False), [-4, -5, -6, -7, 0, 1, 2, 3])
+    np.testing.assert_array_equal(rotate(x, cos, sin, True), [-1, 0, -3, 2, -5, 4, -7, 6])
+
+
+def test_rope_with_windows_keeps_the_full_grids_rotation():
+    # One 4x4 window covering the whole grid attends exactly as global attention, RoPE included.
+    kwargs = dict(absolute_position=False, rope="dinov3", rope_temperature=100.0)
+    windowed, global_ = tiny_vit(window_size=4, **kwargs), tiny_vit(window_size=0, **kwargs)
+    params, out, images = init_and_apply(windowed)
+    np.testing.assert_allclose(global_.apply(params, images)[4], out, rtol=1e-5, atol=1e-5)
+    # Padded windows (3x3 over 4x4) differ from global attention but stay finite.
+    assert np.isfinite(tiny_vit(window_size=3, **kwargs).apply(params, images)[4]).all()
+
+
+def test_patch_14_grid_is_resized_to_stride_16():
+    vit = tiny_vit(patch_size=14, pretrain_image_size=56)
+    params, out, images = init_and_apply(vit, size=(70, 98))
+    tokens = vit.apply(params, images, method=ViT.patch_tokens)
+    assert tokens.shape == (1, 5, 7, 32) and out.shape == (1, 5, 7, 32)  # ceil(70/16), ceil(98/16)
+    params, out, images = init_and_apply(vit, size=(112, 112))
+    assert vit.apply(params, images, method=ViT.patch_tokens).shape == (1, 8, 8, 32) and out.shape == (1, 7, 7, 32)
+    np.testing.assert_allclose(
+        out, jax.image.resize(vit.apply(params, images, method=ViT.patch_tokens), (1, 7, 7, 32), "bilinear"), atol=1e-6
+    )
+
+
+def test_lora_with_zero_b_is_the_plain_network_and_merges_exactly():
+    plain, adapted = tiny_vit(mlp="swiglu"), tiny_vit(mlp="swiglu", lora_rank=2, lora_alpha=4.0)
+    images = jax.random.normal(jax.random.key(0), (1, 64, 64, 3))
+    params = nn.meta.unbox(adapted.init(jax.random.key(1), images)["params"])
+    merged = merge_lora(params, 4.0 / 2)
+    assert not any("lora" in "/".join(str(k.key) for k in p) for p, _ in jax.tree_util.tree_leaves_with_path(merged))
+    np.testing.assert_allclose(
+        adapted.apply({"params": params}, images)[4], plain.apply({"params": merged}, images)[4], atol=1e-6
+    )
+    # Trained adapters (b no longer zero) change the output, and merging still reproduces it.
+    trained = jax.tree_util.tree_map_with_path(lambda path, x: x + 0.1 if path[-1].key == "lora_b" else x, params)
+    out = adapted.apply({"params": trained}, images)[4]
+    assert not np.allclose(out, adapted.apply({"params": params}, images)[4], atol=1e-3)
+    np.testing.assert_allclose(plain.apply({"params": merge_lora(trained, 2.0)}, images)[4], out, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize(
+    "overrides, message",
+    [
+        (dict(class_token=True), "prefix tokens need global attention in every block, not global_attention_every=2"),
+        (dict(register_tokens=4), "set global_attention_every=1, or class_token=False and register_tokens=0"),
+        (dict(rope="alibi"), "model.backbone.rope='alibi'"),
+        (dict(mlp="relu"), "model.backbone.mlp='relu'"),
+        (dict(qkv_bias="k"), "model.backbone.qkv_bias='k'"),
+        (dict(rope="eva02", embed_dim=40, num_heads=4), "divisible by 4"),
+    ],
+)
+def test_bad_foundation_options_name_the_config_key(overrides, message):
+    with pytest.raises(ConfigError, match=re.escape(message)):
         tiny_vit(**overrides).init(jax.random.key(0), jnp.zeros((1, 64, 64, 3)))
