@@ -7,12 +7,18 @@
                                                  # 6 small steps: ~3 minutes on 2 cores): a check, not a number
   python -m benchmarks.gpu --models=dino         # only the models whose name contains one of these words
 
-Three models, all mixed precision (model.dtype=bfloat16, float32 parameters)
+The models, all mixed precision (model.dtype=bfloat16, float32 parameters)
 on one device (mesh data=1, fsdp=1, model=1), with the optimizer of their
 shipped recipe:
 
   * RetinaNet ResNet-50-FPN (configs/retinanet_r50_coco.py) at 800x800 px;
   * ViTDet-B RetinaNet (configs/vitdet_b_coco.py) at 1024x1024 px;
+  * DINO on DINOv3 ViTs at 1024x1024 px: ViT-L/16 fine-tuned in full
+    (configs/dino_dinov3_l_coco.py) and the 7B frozen and with LoRA adapters
+    (configs/dino_dinov3_7b_coco.py:frozen, :lora; the 7B's float32 weights
+    alone are 27 GB, so full fine-tuning needs the sharded recipe, not one
+    GPU). These keep their recipes' per-block remat, so their FLOPs include
+    the recomputed forward pass of the blocks that train;
   * DINO-4scale ResNet-50 (configs/dino_r50_coco.py) at 800x800 px: 900
     queries, DINO's denoising budget of 100 positive-negative pairs per
     image (200 more query slots), matching on the device, with the recipe's
@@ -95,7 +101,17 @@ def _model_configs(smoke: bool, only: list[str] | None = None) -> list[tuple[str
 
     `only`: words, any of which a model's name must contain (case-insensitive); None or empty: every model.
     """
-    from configs import default, dino_r50_coco, dino_tiny, retinanet_r50_coco, vitdet_b_coco, vitdet_tiny
+    from configs import (
+        default,
+        dino_dinov3_7b_coco,
+        dino_dinov3_l_coco,
+        dino_dinov3_tiny,
+        dino_r50_coco,
+        dino_tiny,
+        retinanet_r50_coco,
+        vitdet_b_coco,
+        vitdet_tiny,
+    )
 
     if smoke:
         small_dino = dino_tiny.get_config()
@@ -104,12 +120,16 @@ def _model_configs(smoke: bool, only: list[str] | None = None) -> list[tuple[str
             ("RetinaNet tiny ResNet (default.py)", default.get_config(), SMOKE_IMAGE_SIZE),
             ("ViTDet tiny (vitdet_tiny.py)", vitdet_tiny.get_config(), SMOKE_IMAGE_SIZE),
             ("DINO tiny (dino_tiny.py)", small_dino, SMOKE_IMAGE_SIZE),
+            ("DINO tiny DINOv3-style LoRA (dino_dinov3_tiny.py:lora)", dino_dinov3_tiny.get_config("lora"), 64),
         ]
     else:
         models = [
             ("RetinaNet R50-FPN", retinanet_r50_coco.get_config(), 800),
             ("ViTDet-B", vitdet_b_coco.get_config(), 1024),
             ("DINO-4scale R50", dino_r50_coco.get_config(), 800),
+            ("DINO DINOv3-L/16 full", dino_dinov3_l_coco.get_config(), 1024),
+            ("DINO DINOv3-7B/16 frozen", dino_dinov3_7b_coco.get_config("frozen"), 1024),
+            ("DINO DINOv3-7B/16 LoRA", dino_dinov3_7b_coco.get_config("lora"), 1024),
         ]
     if only:
         wanted = [word.lower() for word in only]

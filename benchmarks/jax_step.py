@@ -54,7 +54,14 @@ def build(config, num_classes: int, devices=None) -> TrainStep:
             config, model, tx, schedule, num_classes=num_classes, mesh=mesh, rules=rules
         )
         compile_seconds = time.perf_counter() - start
-        state = init_train_state(model, tx, tuple(config.input.image_size), shardings, jax.random.key(0))
+        state = init_train_state(
+            model,
+            tx,
+            tuple(config.input.image_size),
+            shardings,
+            jax.random.key(0),
+            trainable=optim.trainable_parameters(config.model),
+        )
     abstract_batch = steps.abstract_batch(config, config.global_batch_size, batch_sharding, training=True)
     plan = step_plan.plan_from_compiled(
         compiled, abstract_state, abstract_batch, dict(mesh.shape), config.global_batch_size, compile_seconds

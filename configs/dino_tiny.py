@@ -28,25 +28,4 @@ from configs import common
 
 
 def get_config() -> ml_collections.ConfigDict:
-    config = common.base_config()
-    config.model.name = "dino"
-    config.model.dino = common.dino_model(
-        hidden_dim=64,
-        num_heads=4,
-        ffn_dim=256,
-        encoder_layers=2,
-        decoder_layers=3,
-        num_queries=100,
-        denoising_pairs=32,  # 64 query slots for the 16 box slots, as 2 groups were
-    )
-    config.loss.set_prediction.class_loss = "mal"
-    config.optimizer.learning_rate = 2e-3
-    config.optimizer.weight_decay = 1e-4
-    config.optimizer.grad_clip_norm = 0.1
-    # About the default config's wall time on a 2-core CPU (DINO's step costs ~2.5x the RetinaNet's).
-    config.total_steps = 600
-    config.eval_every_steps = 200
-    config.checkpoint_every_steps = 200
-    # Top-100 over queries x classes as DINO evaluates: no score threshold.
-    config.postprocess.score_threshold = 0.0
-    return config
+    return common.tiny_dino()

@@ -5,7 +5,8 @@
 
 Compiles the config's train step ahead of time for `--devices` fake CPU
 devices (nothing is allocated or run) and prints, per device: parameter,
-optimizer-state and batch bytes, XLA's temporaries and total, FLOPs per step,
+optimizer-state, gradient and batch bytes, XLA's temporaries (activations
+and gradients among them) and total, FLOPs per step,
 and the bytes each collective kind moves per step (parsed from the compiled
 HLO). It says whether the step fits `--device_memory_gb` and, when the
 configured mesh does not, compiles larger fsdp/model splits until one fits

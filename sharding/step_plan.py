@@ -30,6 +30,8 @@ class StepPlan:
     global_batch_size: int
     params_bytes: int
     opt_state_bytes: int
+    # The gradients the step computes: of the trained parameters only (part of the temporaries).
+    gradient_bytes: int
     batch_bytes: int
     memory: MemoryReport  # XLA's accounting of the whole step
     flops: float  # per device per step, from cost_analysis()
@@ -55,6 +57,7 @@ class StepPlan:
             "per_device_bytes": {
                 "params": self.params_bytes,
                 "optimizer_state": self.opt_state_bytes,
+                "gradients": self.gradient_bytes,
                 "batch": self.batch_bytes,
                 "arguments": self.memory.argument_bytes,
                 "outputs": self.memory.output_bytes,
@@ -75,8 +78,14 @@ def plan_from_compiled(
     mesh_shape: dict[str, int],
     global_batch_size: int,
     compile_seconds: float = 0.0,
+    *,
+    trained_params: Any = None,
 ) -> StepPlan:
-    """Reads memory, FLOPs and collectives off a compiled `(state, batch) -> ...` step."""
+    """Reads memory, FLOPs and collectives off a compiled `(state, batch) -> ...` step.
+
+    `trained_params`: the part of `abstract_state.params` the step
+    differentiates (default: all), whose gradients it holds.
+    """
     report = memory_report(compiled)
     if report is None:
         raise MeshError("this backend reports no memory analysis; plan on CPU (JAX_PLATFORMS=cpu)")
@@ -88,6 +97,7 @@ def plan_from_compiled(
         global_batch_size=global_batch_size,
         params_bytes=per_device_bytes(abstract_state.params),
         opt_state_bytes=per_device_bytes(abstract_state.opt_state),
+        gradient_bytes=per_device_bytes(abstract_state.params if trained_params is None else trained_params),
         batch_bytes=per_device_bytes(abstract_batch),
         memory=report,
         flops=float((cost or {}).get("flops", 0.0)),
@@ -180,6 +190,7 @@ def format_table(plans: list[StepPlan], limit_bytes: int | None = None) -> str:
         "batch/device",
         "params GB",
         "opt state GB",
+        "grads GB",
         "batch GB",
         "temps GB",
         "total GB",
@@ -197,6 +208,7 @@ def format_table(plans: list[StepPlan], limit_bytes: int | None = None) -> str:
             f"{per_device_batch:g}",
             _gb(p.params_bytes),
             _gb(p.opt_state_bytes),
+            _gb(p.gradient_bytes),
             _gb(p.batch_bytes),
             _gb(p.memory.temp_bytes),
             _gb(p.total_bytes),

@@ -17,6 +17,7 @@ only JAX: `jax.export.deserialize(bytes).call(images, image_hw)`.
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import json
 from collections.abc import Callable, Sequence
@@ -30,7 +31,7 @@ from etils import epath
 from jax.experimental import multihost_utils
 
 from detector.errors import ConfigError
-from detector.models import families
+from detector.models import families, vit
 from detector.serving.predictor import Predictor, network_input
 from input_pipeline import transforms
 
@@ -60,11 +61,24 @@ def detection_function(predictor: Predictor) -> Callable[[jax.Array, jax.Array],
     `[B, D, 4]` yxyx in network-input pixels, scores float32 `[B, D]`
     (descending), classes int32 `[B, D]` (contiguous labels) and valid bool
     `[B, D]`; D is `config.postprocess.max_detections`. It normalises the
-    pixels itself, as the train and predict steps do.
+    pixels itself, as the train and predict steps do. A backbone trained with
+    LoRA adapters (`model.backbone.lora_rank` > 0) runs with them merged into
+    its kernels: the plain backbone, computing what the adapted one does.
     """
-    config = predictor.config
+    config, model = predictor.config, predictor.model
     params = _host_params(predictor.params)
-    family_detect = families.objective(config, predictor.model, predictor.dataset_info.num_classes).detect
+    num_classes = predictor.dataset_info.num_classes
+    backbone = config.model.backbone
+    if backbone.get("lora_rank", 0):
+        # The program is the plain backbone: each low-rank adapter folded into
+        # its kernel once here, not two extra matmuls per projection per call.
+        params = {**params, "backbone": vit.merge_lora(params["backbone"], backbone.lora_alpha / backbone.lora_rank)}
+        config = copy.deepcopy(config)
+        with config.unlocked():
+            config.model.backbone.lora_rank = 0
+            config.model.backbone.training = "full"
+        model = families.create_model(config, num_classes)
+    family_detect = families.objective(config, model, num_classes).detect
 
     def detect(images: jax.Array, image_hw: jax.Array) -> dict[str, jax.Array]:
         outputs = family_detect(params, images, image_hw)

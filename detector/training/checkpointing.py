@@ -16,13 +16,12 @@ import time
 from typing import Any
 
 import jax
-import jax.numpy as jnp
 import orbax.checkpoint as ocp
 from etils import epath
 from flax import traverse_util
 
 from detector.errors import ConfigError, TrainingError
-from detector.training.train_state import TrainState
+from detector.training.train_state import TrainState, merge_params, restart_ema, select_like, select_params
 
 STATE_ITEM = "state"
 METADATA_ITEM = "metadata"
@@ -235,15 +234,17 @@ def _restore_step(
     manager: ocp.CheckpointManager, step: int, abstract_state: TrainState
 ) -> tuple[TrainState, dict[str, Any]]:
     check_params_match(manager, step, abstract_state.params, key=PARAMS_ITEM)
+    stored = _stored_tree(manager, step)
+    _check_opt_state_matches(manager, step, stored.get("opt_state"), abstract_state.opt_state)
     target = _state_item(abstract_state)
-    has_ema = EMA_ITEM in _stored_state_keys(manager, step)
+    has_ema = EMA_ITEM in stored
     if EMA_ITEM in target and not has_ema:
         # EMA turned on for a run that trained without it: it starts from the restored parameters.
         del target[EMA_ITEM]
         logging.warning("checkpoint of step %d holds no EMA of the parameters; the EMA starts from them", step)
     elif has_ema and EMA_ITEM not in target:
-        # Read (the tree must match what is stored) and dropped.
-        target[EMA_ITEM] = abstract_state.params
+        # Read (the tree must match what is stored: the parameters it averaged) and dropped.
+        target[EMA_ITEM] = select_like(abstract_state.params, stored[EMA_ITEM])
         logging.warning("checkpoint of step %d holds an EMA of the parameters; optimizer.ema_decay=0 drops it", step)
     restored = manager.restore(
         step,
@@ -253,11 +254,32 @@ def _restore_step(
     )
     logging.info("checkpoint: restored step %d from %s", step, manager.directory)
     item = dict(restored[STATE_ITEM])
-    ema = item.get(EMA_ITEM) if abstract_state.ema_params is not None else None
-    if ema is None and abstract_state.ema_params is not None:
-        ema = jax.tree.map(jnp.copy, item[PARAMS_ITEM])
-    state = TrainState(step=item["step"], params=item[PARAMS_ITEM], opt_state=item["opt_state"], ema_params=ema)
+    state = TrainState(
+        step=item["step"],
+        params=item[PARAMS_ITEM],
+        opt_state=item["opt_state"],
+        ema_params=item.get(EMA_ITEM, abstract_state.ema_params) if abstract_state.ema_params is not None else None,
+    )
+    if abstract_state.ema_params is not None and not has_ema:
+        state = restart_ema(state)
     return state, dict(restored[METADATA_ITEM] or {})
+
+
+def _check_opt_state_matches(manager: ocp.CheckpointManager, step: int, stored: Any, requested: Any) -> None:
+    """Raises WorkdirMismatchError when the stored optimizer state has another number of arrays than the config's.
+
+    Another optimizer, or another `model.backbone.training` (which decides
+    the parameters that have state), is a config change, not damage.
+    """
+    stored_count = len(jax.tree.leaves(stored)) if stored is not None else 0
+    requested_count = len(jax.tree.leaves(requested))
+    if stored_count != requested_count:
+        raise WorkdirMismatchError(
+            f"the checkpoint of step {step} in {manager.directory} holds optimizer state of {stored_count} arrays and "
+            f"this config's optimizer has {requested_count}: it was trained with another optimizer or "
+            "model.backbone.training; train in a new --workdir, or start one from this one's parameters with "
+            f"--config.init_from={epath.Path(manager.directory).parent}"
+        )
 
 
 class _NoEmaError(FileNotFoundError):
@@ -315,20 +337,15 @@ def check_params_match(manager: ocp.CheckpointManager, step: int, requested_para
     )
 
 
-def _stored_state_keys(manager: ocp.CheckpointManager, step: int) -> set[str]:
-    """Top-level keys of the state tree stored at `step`, from its metadata (no array is read)."""
-    tree = _stored_tree(manager, step)
-    return set(tree) if isinstance(tree, dict) else set()
-
-
 def restore_params(workdir: str, which: str, abstract_params: Any, *, ema: bool = False) -> tuple[Any, int]:
     """(parameters, step) of a trained workdir, placed by `abstract_params`' shardings.
 
     `which`: "last" (the newest checkpoint), "best" (the best evaluation's
     parameters: the EMA ones in a run that kept an EMA), or a step number of
     a kept checkpoint. With `ema`, a checkpoint's EMA of the parameters is
-    read instead of the parameters. Only those are read, not the optimizer
-    state. Raises FileNotFoundError naming what is there instead.
+    read instead of the parameters (the parameters themselves where the EMA
+    holds none: those that did not train). Only those are read, not the
+    optimizer state. Raises FileNotFoundError naming what is there instead.
     """
     which = str(which).strip().lower()
     directory = best_dir(workdir) if which == "best" else checkpoint_dir(workdir)
@@ -339,7 +356,7 @@ def restore_params(workdir: str, which: str, abstract_params: Any, *, ema: bool 
     if which == "best":
         manager = create_best_manager(workdir)
         step = manager.best_step()
-        item, target = PARAMS_ITEM, abstract_params
+        item = PARAMS_ITEM
     else:
         manager = create_manager(workdir, max_to_keep=1, read_only=True)
         steps = manager.all_steps()
@@ -353,25 +370,39 @@ def restore_params(workdir: str, which: str, abstract_params: Any, *, ema: bool 
                 f"--checkpoint={which}: no such checkpoint in {checkpoint_dir(workdir)} (steps there: "
                 f"{', '.join(map(str, steps)) or 'none'}); use last, best or one of those steps"
             )
-        item, target = STATE_ITEM, {EMA_ITEM if ema else PARAMS_ITEM: abstract_params}
-    key = EMA_ITEM if ema else PARAMS_ITEM
-    restore_args = ocp.checkpoint_utils.construct_restore_args(target)
+        item = STATE_ITEM
 
     def read(step):
+        target = abstract_params
         if which != "best":
-            if ema and EMA_ITEM not in _stored_state_keys(manager, step):
+            stored = _stored_tree(manager, step)
+            if ema and EMA_ITEM not in stored:
                 raise _NoEmaError(
                     f"the checkpoint of step {step} in {directory} holds no EMA of the parameters (trained with "
                     "optimizer.ema_decay=0); pass --raw_params, or --config.optimizer.ema_decay=0"
                 )
-            check_params_match(manager, step, abstract_params, key=key)
+            check_params_match(manager, step, abstract_params, key=PARAMS_ITEM)
+            # The EMA covers the trained parameters (a frozen backbone has none): the rest are the parameters.
+            averaged = select_like(abstract_params, stored[EMA_ITEM]) if ema else {}
+            averaged_paths = set(traverse_util.flatten_dict(averaged))
+            rest = select_params(abstract_params, lambda path: path not in averaged_paths)
+            target = {key: tree for key, tree in ((PARAMS_ITEM, rest), (EMA_ITEM, averaged)) if tree}
         # The full train state holds the optimizer state too; read the parameters alone.
-        return manager.restore(
+        restored = manager.restore(
             step,
             args=ocp.args.Composite(
-                **{item: ocp.args.PyTreeRestore(item=target, restore_args=restore_args, partial_restore=True)}
+                **{
+                    item: ocp.args.PyTreeRestore(
+                        item=target,
+                        restore_args=ocp.checkpoint_utils.construct_restore_args(target),
+                        partial_restore=True,
+                    )
+                }
             ),
         )[item]
+        if which == "best":
+            return restored
+        return merge_params(restored.get(PARAMS_ITEM, {}), restored.get(EMA_ITEM, {}))
 
     try:
         if step is None:
@@ -401,7 +432,7 @@ def restore_params(workdir: str, which: str, abstract_params: Any, *, ema: bool 
                 )
     finally:
         manager.close()
-    return (restored if which == "best" else restored[key]), int(step)
+    return restored, int(step)
 
 
 def load_matching_params(workdir: str, params: Any) -> tuple[Any, int, list[tuple[str, Any, Any]]]:

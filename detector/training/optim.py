@@ -49,15 +49,56 @@ def _decay_mask(params):
     return jax.tree.map(lambda p: p.ndim > 1, params)
 
 
+BACKBONE_TRAINING = ("full", "frozen", "lora")
+# The low-rank adapters' parameter names inside a ViT backbone (model.backbone.lora_rank > 0).
+LORA_PARAMS = ("lora_a", "lora_b")
+
+
+def backbone_training(model_config) -> str:
+    """`model.backbone.training`, checked: "full", "frozen", or "lora" (with a ViT of lora_rank > 0 only)."""
+    backbone = model_config.backbone
+    mode = backbone.training
+    if mode not in BACKBONE_TRAINING:
+        raise ConfigError(f"model.backbone.training={mode!r}; use one of {', '.join(map(repr, BACKBONE_TRAINING))}")
+    rank = backbone.get("lora_rank", 0)  # a ResNet has no adapters, so no key
+    if mode == "lora" and not (backbone.name == "vit" and rank > 0):
+        raise ConfigError(
+            f"model.backbone.training='lora' needs a ViT backbone with model.backbone.lora_rank > 0 (here "
+            f"name={backbone.name!r}, lora_rank={rank}); use 'frozen' or 'full' for other backbones"
+        )
+    if rank > 0 and mode != "lora":
+        raise ConfigError(f"model.backbone.lora_rank={rank} needs model.backbone.training='lora' (here {mode!r})")
+    return mode
+
+
+def trainable_parameters(model_config) -> Callable[[tuple[str, ...]], bool] | None:
+    """`param path (tuple of names) -> whether it trains` for `model.backbone.training`, or None: all train.
+
+    The parameters it rejects get no gradient, optimizer state or EMA at all
+    (see `train_state.select_params`): "frozen" trains everything outside the
+    backbone, "lora" that and the backbone's adapters (`LORA_PARAMS`). Under
+    "full" every parameter is differentiated; `frozen_parameters` may still
+    hold some fixed.
+    """
+    mode = backbone_training(model_config)
+    if mode == "full":
+        return None
+    if mode == "frozen":
+        return lambda path: path[0] != "backbone"
+    return lambda path: path[0] != "backbone" or path[-1] in LORA_PARAMS
+
+
 def frozen_parameters(model_config):
     """`params -> tree of bools` (True: keep fixed) for `config.model`, or None when every parameter trains.
 
     Frozen: a ResNet's frozen-BatchNorm parameters (`model.backbone.norm ==
     'frozen_bn'`) and its first `model.backbone.freeze_stages` stages (see
-    `detector.models.resnet.frozen_parameter_mask`). Other backbones freeze nothing.
+    `detector.models.resnet.frozen_parameter_mask`). Other backbones freeze
+    nothing, and neither does a backbone outside `model.backbone.training="full"`,
+    whose parameters `trainable_parameters` leaves out of training altogether.
     """
     backbone_config = model_config.backbone
-    if backbone_config.name != "resnet":
+    if backbone_config.name != "resnet" or backbone_training(model_config) != "full":
         return None
     norm = backbone_config.norm
     freeze_stages = backbone_config.freeze_stages
@@ -92,7 +133,7 @@ def _vit_block_ids(path: str, shape: tuple[int, ...], depth: int, global_every: 
     global_attention_every), its global block last.
     """
     parts = path.split("/")[1:]  # below "backbone"
-    if parts[0] in ("patch_embed", "pos_embed"):
+    if parts[0] in ("patch_embed", "pos_embed", "class_pos_embed", "cls_token", "reg_token"):
         return -1
     g = global_every
     if parts[0] == "stages":  # scanned stages
@@ -179,7 +220,10 @@ def create_optimizer(
     With `model_config` (`config.model`), parameters the model config freezes
     (see `frozen_parameters`) get zero updates, and `optimizer.layer_decay`
     knows the ViT's depth. Learning-rate multipliers (`learning_rate_multipliers`)
-    scale each parameter's final update.
+    scale each parameter's final update. Under `model.backbone.training`
+    "frozen" or "lora" the optimizer is initialised and updated over the
+    trainable parameters alone (`train_state.select_params` with
+    `trainable_parameters`): it holds no state for the others.
     """
     schedule = learning_rate_schedule(optimizer_config, total_steps)
     name = optimizer_config.name

@@ -25,7 +25,7 @@ import sharding
 from detector.errors import ConfigError
 from detector.models import families
 from detector.training import optim
-from detector.training.train_state import TrainState, state_shardings
+from detector.training.train_state import TrainState, merge_params, select_params, state_shardings
 from input_pipeline import batch as batch_layout
 
 
@@ -67,6 +67,7 @@ def train_step(
     tx: optax.GradientTransformation,
     schedule: optax.Schedule,
     seed: int = 0,
+    trainable: Callable[[tuple[str, ...]], bool] | None = None,
     frozen: Callable[[Any], Any] | None = None,
     accumulate_steps: int = 1,
     micro_batch_sharding: Any = None,
@@ -80,8 +81,12 @@ def train_step(
     which every micro-batch shares (the DINO objective draws per image, from
     the image id), so a resumed, re-sharded or accumulated run draws the same.
 
-    `frozen` (`optim.frozen_parameters`: params -> tree of bools) names the
-    parameters that never train; their gradients are not computed at all.
+    `trainable` (`optim.trainable_parameters`: param path -> bool; None: all)
+    splits the parameters statically: only the trainable ones are
+    differentiated, updated and averaged (`gradients`); the state's
+    optimizer state and EMA hold them alone. `frozen`
+    (`optim.frozen_parameters`: params -> tree of bools) names trainable
+    parameters the optimizer keeps fixed; their gradients are not computed.
     With `accumulate_steps` K > 1 the batch goes through the network as K
     micro-batches in a `lax.scan` (activations of one micro-batch at a time),
     their loss sums and gradients are added, and the totals are divided by
@@ -90,41 +95,21 @@ def train_step(
     When the loss or the gradient is not finite, parameters, optimizer state
     and EMA are returned unchanged and metrics['nonfinite'] is 1.
     """
-
-    def loss_of_trainable(params, batch, rng, normalizer=None):
-        if frozen is not None:
-            # The optimizer ignores these gradients anyway; stopping them here
-            # also drops their backward pass (kernel gradients, and the input
-            # gradients below the lowest trainable layer) from the program.
-            params = jax.tree.map(lambda p, fixed: jax.lax.stop_gradient(p) if fixed else p, params, frozen(params))
-        return loss(params, batch, rng, normalizer)
-
-    grad_fn = jax.value_and_grad(loss_of_trainable, has_aux=True)
     step_rng = jax.random.fold_in(jax.random.key(seed), state.step)
-    if accumulate_steps == 1:
-        (total, terms), grads = grad_fn(state.params, batch, step_rng)
-    else:
-
-        def add_micro_batch(totals, micro_batch):
-            (loss_sum, sums), grads = grad_fn(state.params, micro_batch, step_rng, 1.0)
-            return jax.tree.map(jnp.add, totals, (grads, {"loss": loss_sum, **sums})), None
-
-        micro_batches = split_micro_batches(batch, accumulate_steps, micro_batch_sharding)
-        first = jax.tree.map(lambda x: x[0], micro_batches)
-        term_shapes = jax.eval_shape(lambda: grad_fn(state.params, first, step_rng, 1.0)[0][1])
-        zeros = (
-            jax.tree.map(jnp.zeros_like, state.params),
-            {key: jnp.zeros((), jnp.float32) for key in ("loss", *term_shapes)},
-        )
-        (grad_sums, sums), _ = jax.lax.scan(add_micro_batch, zeros, micro_batches)
-        normalizer = jnp.maximum(sums["num_positives"], 1.0)
-        grads = jax.tree.map(lambda g: g / normalizer, grad_sums)
-        total = sums["loss"] / normalizer
-        terms = {key: value / normalizer for key, value in sums.items() if key not in ("loss", "num_positives")}
-        terms["num_positives"] = sums["num_positives"]
+    trained = select_params(state.params, trainable)
+    total, terms, grads = gradients(
+        state.params,
+        batch,
+        step_rng,
+        loss=loss,
+        trainable=trainable,
+        frozen=frozen,
+        accumulate_steps=accumulate_steps,
+        micro_batch_sharding=micro_batch_sharding,
+    )
     grad_norm = optax.tree.norm(grads)
-    updates, new_opt_state = tx.update(grads, state.opt_state, state.params)
-    new_params = optax.apply_updates(state.params, updates)
+    updates, new_opt_state = tx.update(grads, state.opt_state, trained)
+    new_trained = optax.apply_updates(trained, updates)
     # A non-finite loss or gradient (a bad batch, an overflow) must not reach
     # the parameters: the update is skipped on device, without a host sync.
     # The step counter still advances, since the batch was consumed and the
@@ -134,13 +119,13 @@ def train_step(
     def keep_if_finite(new, old):
         return jnp.where(finite, new, old)
 
-    params = jax.tree.map(keep_if_finite, new_params, state.params)
+    new_trained = jax.tree.map(keep_if_finite, new_trained, trained)
     opt_state = jax.tree.map(keep_if_finite, new_opt_state, state.opt_state)
     ema_params = state.ema_params
     if ema_decay > 0:
-        # `params` already fell back to the old ones on a skipped step, but the
-        # average must not take a step either.
-        new_ema = ema_update(state.ema_params, params, state.step, decay=ema_decay, warmup=ema_warmup)
+        # `new_trained` already fell back to the old ones on a skipped step, but
+        # the average must not take a step either.
+        new_ema = ema_update(state.ema_params, new_trained, state.step, decay=ema_decay, warmup=ema_warmup)
         ema_params = jax.tree.map(keep_if_finite, new_ema, state.ema_params)
     metrics = {
         **{key: value.astype(jnp.float32) for key, value in terms.items()},
@@ -149,8 +134,67 @@ def train_step(
         "learning_rate": schedule(state.step),
         "nonfinite": jnp.logical_not(finite).astype(jnp.float32),
     }
+    # The parameters that do not train pass through untouched (a donated
+    # state aliases their buffers: no copy).
+    params = new_trained if trainable is None else merge_params(state.params, new_trained)
     new_state = state.replace(step=state.step + 1, params=params, opt_state=opt_state, ema_params=ema_params)
     return new_state, metrics
+
+
+def gradients(
+    params: Any,
+    batch: dict[str, jax.Array],
+    rng: jax.Array,
+    *,
+    loss: Callable[..., tuple[jax.Array, dict[str, jax.Array]]],
+    trainable: Callable[[tuple[str, ...]], bool] | None = None,
+    frozen: Callable[[Any], Any] | None = None,
+    accumulate_steps: int = 1,
+    micro_batch_sharding: Any = None,
+) -> tuple[jax.Array, dict[str, jax.Array], Any]:
+    """(loss, loss terms, gradient) of `loss` at `params` on a global batch; see `train_step` for the arguments.
+
+    The gradient is a nested dict over `select_params(params, trainable)`
+    alone: the other parameters enter the loss as constants
+    (`stop_gradient`), so no backward pass runs through them and none of
+    their activations is kept for one. A frozen backbone costs its forward
+    pass only, and the step reduces no gradient of it across devices.
+    """
+    fixed = select_params(params, None if trainable is None else lambda path: not trainable(path))
+
+    def loss_of_trainable(trained, batch, rng, normalizer=None):
+        full = trained if trainable is None else merge_params(jax.lax.stop_gradient(fixed), trained)
+        if frozen is not None:
+            # The optimizer ignores these gradients anyway; stopping them here
+            # also drops their backward pass (kernel gradients, and the input
+            # gradients below the lowest trainable layer) from the program.
+            full = jax.tree.map(lambda p, fixed: jax.lax.stop_gradient(p) if fixed else p, full, frozen(full))
+        return loss(full, batch, rng, normalizer)
+
+    trained = select_params(params, trainable)
+    grad_fn = jax.value_and_grad(loss_of_trainable, has_aux=True)
+    if accumulate_steps == 1:
+        (total, terms), grads = grad_fn(trained, batch, rng)
+        return total, terms, grads
+
+    def add_micro_batch(totals, micro_batch):
+        (loss_sum, sums), grads = grad_fn(trained, micro_batch, rng, 1.0)
+        return jax.tree.map(jnp.add, totals, (grads, {"loss": loss_sum, **sums})), None
+
+    micro_batches = split_micro_batches(batch, accumulate_steps, micro_batch_sharding)
+    first = jax.tree.map(lambda x: x[0], micro_batches)
+    term_shapes = jax.eval_shape(lambda: grad_fn(trained, first, rng, 1.0)[0][1])
+    zeros = (
+        jax.tree.map(jnp.zeros_like, trained),
+        {key: jnp.zeros((), jnp.float32) for key in ("loss", *term_shapes)},
+    )
+    (grad_sums, sums), _ = jax.lax.scan(add_micro_batch, zeros, micro_batches)
+    normalizer = jnp.maximum(sums["num_positives"], 1.0)
+    grads = jax.tree.map(lambda g: g / normalizer, grad_sums)
+    total = sums["loss"] / normalizer
+    terms = {key: value / normalizer for key, value in sums.items() if key not in ("loss", "num_positives")}
+    terms["num_positives"] = sums["num_positives"]
+    return total, terms, grads
 
 
 def predict_step(
@@ -227,8 +271,9 @@ def compile_train_step(
     abstract state carrying its shardings, state shardings).
     """
     ema_decay = ema_decay_of(config.optimizer)
+    trainable = optim.trainable_parameters(config.model)
     abstract_state, shardings = state_shardings(
-        model, tx, tuple(config.input.image_size), mesh, rules, ema=ema_decay > 0
+        model, tx, tuple(config.input.image_size), mesh, rules, ema=ema_decay > 0, trainable=trainable
     )
     batch_axes = sharding.batch_axes(mesh)
     batch_sharding = sharding.batch_sharding(mesh, batch_axes)
@@ -240,6 +285,7 @@ def compile_train_step(
             tx=tx,
             schedule=schedule,
             seed=config.seed,
+            trainable=trainable,
             frozen=optim.frozen_parameters(config.model),
             accumulate_steps=accumulate_steps,
             micro_batch_sharding=NamedSharding(mesh, PartitionSpec(None, batch_axes)),

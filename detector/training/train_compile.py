@@ -18,6 +18,7 @@ from absl import logging
 import sharding
 from detector.models import families
 from detector.training import optim, steps
+from detector.training.train_state import select_params
 from input_pipeline import datasets
 from sharding import memory
 from sharding.step_plan import GB, StepPlan, format_table, plan_from_compiled, search_fitting_mesh
@@ -49,7 +50,15 @@ def plan_train_step(config, devices=None) -> StepPlan:
     batch = steps.abstract_batch(
         config, config.global_batch_size, sharding.batch_sharding(mesh, sharding.batch_axes(mesh)), training=True
     )
-    return plan_from_compiled(compiled, abstract_state, batch, dict(mesh.shape), config.global_batch_size, seconds)
+    return plan_from_compiled(
+        compiled,
+        abstract_state,
+        batch,
+        dict(mesh.shape),
+        config.global_batch_size,
+        seconds,
+        trained_params=select_params(abstract_state.params, optim.trainable_parameters(config.model)),
+    )
 
 
 def log_step_plan(config, compiled_train, abstract_state, mesh: jax.sharding.Mesh) -> None:
@@ -63,6 +72,7 @@ def log_step_plan(config, compiled_train, abstract_state, mesh: jax.sharding.Mes
             steps.abstract_batch(config, config.global_batch_size, batch_sharding, training=True),
             dict(mesh.shape),
             config.global_batch_size,
+            trained_params=select_params(abstract_state.params, optim.trainable_parameters(config.model)),
         )
         logging.info("train step %s; per device:\n%s", report.describe(), format_table([step_plan]))
     memory.check_fits(report, memory.device_memory_limit_bytes())

@@ -13,7 +13,6 @@ import time
 from typing import Any
 
 import jax
-import jax.numpy as jnp
 import ml_collections
 import optax
 from absl import logging
@@ -28,7 +27,13 @@ from detector.training.evaluator import EvaluationInterrupted, Evaluator
 from detector.training.metric_writers import MetricWriter
 from detector.training.monitors import DataReport, MetricWindow, NonFiniteSteps
 from detector.training.train_compile import create_training_model, log_step_plan
-from detector.training.train_state import TrainState, count_params, init_train_state
+from detector.training.train_state import (
+    TrainState,
+    count_params,
+    evaluated_params,
+    init_train_state,
+    restart_ema,
+)
 from input_pipeline.progress import Progress
 
 
@@ -104,11 +109,6 @@ def _train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict
     if is_primary and last_metrics is not None:
         logging.info("final COCO metrics: %s", json.dumps({k: round(v, 4) for k, v in last_metrics.items()}))
     return last_metrics
-
-
-def evaluated_params(state: TrainState) -> Any:
-    """What evaluation, the best checkpoint and the export use: the EMA of the parameters when kept, else them."""
-    return state.ema_params if state.ema_params is not None else state.params
 
 
 def _prepare_workdir(config: ml_collections.ConfigDict, workdir: str, is_primary: bool) -> epath.Path:
@@ -199,20 +199,21 @@ def _restore_or_init(config, manager, model, tx: optax.GradientTransformation, p
         logging.info("resuming from step %d at input position %d", step, position)
         return _Start(state, step, position)
     state = init_train_state(
-        model, tx, tuple(config.input.image_size), programs.state_shardings, jax.random.key(config.seed)
+        model,
+        tx,
+        tuple(config.input.image_size),
+        programs.state_shardings,
+        jax.random.key(config.seed),
+        trainable=optim.trainable_parameters(config.model),
     )
     pretrained = config.model.backbone.pretrained
     if pretrained:
         # Only on a fresh start: a resumed run continues from its own checkpoint.
-        state = state.replace(params=load_backbone_params(state.params, pretrained))
-        if state.ema_params is not None:
-            state = state.replace(ema_params=jax.tree.map(jnp.copy, state.params))
+        state = restart_ema(state.replace(params=load_backbone_params(state.params, pretrained, config.model.backbone)))
         logging.info("backbone initialised from %s", pretrained)
     if config.init_from:
         params, step, skipped = checkpointing.load_matching_params(config.init_from, state.params)
-        state = state.replace(params=params)
-        if state.ema_params is not None:
-            state = state.replace(ema_params=jax.tree.map(jnp.copy, state.params))
+        state = restart_ema(state.replace(params=params))
         logging.warning(
             "initialised from step %d of %s: %d parameters skipped (path or shape differs)%s",
             step,

@@ -70,16 +70,21 @@ def test_batch_search_doubles_until_a_batch_does_not_fit(monkeypatch):
     assert tried == [2, 4] and fitting[-1]["batch"] == 4  # capped at max_batch
 
 
-def test_gpu_measures_the_three_families_and_selects_by_name():
+def test_gpu_measures_every_family_and_selects_by_name():
     names = [name.split(" (")[0] for name, _ in gpu._model_configs(smoke=True)]
-    assert names == ["RetinaNet tiny ResNet", "ViTDet tiny", "DINO tiny"]
+    assert names == ["RetinaNet tiny ResNet", "ViTDet tiny", "DINO tiny", "DINO tiny DINOv3-style LoRA"]
     assert [name for name, _ in gpu._model_configs(smoke=False, only=["DINO", "vitdet"])] == [
         "ViTDet-B",
         "DINO-4scale R50",
+        "DINO DINOv3-L/16 full",
+        "DINO DINOv3-7B/16 frozen",
+        "DINO DINOv3-7B/16 LoRA",
     ]
     for _, config in gpu._model_configs(smoke=False):
         assert config.model.dtype == "bfloat16" and dict(config.mesh) == dict(data=1, fsdp=1, model=1)
-    with pytest.raises(ValueError, match="--models=yolo matches none of: RetinaNet R50-FPN; ViTDet-B; DINO-4scale R50"):
+    with pytest.raises(
+        ValueError, match="--models=yolo matches none of: RetinaNet R50-FPN; ViTDet-B; DINO-4scale R50;"
+    ):
         gpu._model_configs(smoke=False, only=["yolo"])
 
 

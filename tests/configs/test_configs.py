@@ -116,7 +116,7 @@ def test_config_loads_and_its_parts_build(path):
     assert config.dataset.name in datasets.KNOWN_DATASETS
     assert set(config.mesh) == set(sharding.MESH_AXES)
     sharding.logical_rules(config.sharding)  # names only known mesh axes
-    optim.create_optimizer(config.optimizer, config.total_steps)  # known optimizer and schedule
+    optim.create_optimizer(config.optimizer, config.total_steps, model_config=config.model)  # known optimizer, schedule
     assert config.global_batch_size > 0 and config.eval_batch_size > 0
     assert 0 < config.log_every_steps <= config.total_steps
     assert config.checkpoint_every_steps > 0 and config.eval_every_steps > 0

@@ -17,7 +17,7 @@ from configs import default
 from detector.models import dino, families
 from detector.ops import matching
 from detector.training import optim, steps
-from detector.training.train_state import TrainState, describe_param_shardings, state_shardings
+from detector.training.train_state import TrainState, describe_param_shardings, select_params, state_shardings
 from sharding.collectives import parse_collectives, summarize
 
 NUM_CLASSES = 4  # synthetic_shapes
@@ -31,7 +31,13 @@ def abstract_state_on_mesh(config, mesh) -> TrainState:
     tx, _ = optim.create_optimizer(config.optimizer, config.total_steps, model_config=config.model)
     with sharding.use_mesh(mesh, rules):
         abstract_state, _ = state_shardings(
-            model, tx, tuple(config.input.image_size), mesh, rules, ema=steps.ema_decay_of(config.optimizer) > 0
+            model,
+            tx,
+            tuple(config.input.image_size),
+            mesh,
+            rules,
+            ema=steps.ema_decay_of(config.optimizer) > 0,
+            trainable=optim.trainable_parameters(config.model),
         )
     return abstract_state
 
@@ -55,13 +61,14 @@ def train_on_mesh(config, mesh_shape, initial_params, batches, num_classes: int)
         )
         # From host copies: the step donates its state, so every run needs its own buffers.
         params = jax.device_put(jax.device_get(initial_params), shardings.params)
+        trained = select_params(params, optim.trainable_parameters(config.model))
         state = TrainState(
             step=jax.device_put(np.int32(0), shardings.step),
             params=params,
-            opt_state=jax.jit(tx.init, out_shardings=shardings.opt_state)(params),
+            opt_state=jax.jit(tx.init, out_shardings=shardings.opt_state)(trained),
             ema_params=None
             if shardings.ema_params is None
-            else jax.device_put(jax.device_get(initial_params), shardings.ema_params),
+            else jax.device_put(jax.device_get(trained), shardings.ema_params),
         )
     param_specs = describe_param_shardings(state.params)
     metrics = []
@@ -226,3 +233,29 @@ def spatial_config(image_size: int):
     config.input.image_size = (image_size, image_size)
     config.global_batch_size = 1
     return config
+
+
+def random_batch(config, seed: int) -> dict[str, np.ndarray]:
+    """A global batch shaped like the pipeline's: a few random boxes per image."""
+    rng = np.random.default_rng(seed)
+    b, (h, w), m = config.global_batch_size, config.input.image_size, config.input.max_boxes
+    corners = rng.uniform(0, h * 0.6, size=(b, m, 2))
+    sizes = rng.uniform(h * 0.1, h * 0.4, size=(b, m, 2))
+    boxes = np.concatenate([corners, corners + sizes], axis=-1).astype(np.float32)
+    boxes_mask = np.arange(m)[None, :] < rng.integers(1, 4, size=(b, 1))
+    image_hw = np.stack([rng.integers(h // 2, h + 1, size=b), np.full(b, w)], -1).astype(np.int32)
+    return {
+        "image": rng.integers(0, 256, size=(b, h, w, 3), dtype=np.uint8),
+        "image_hw": image_hw,
+        # Resized on the host: the identity geometry.
+        "source_hw": image_hw,
+        "source_to_image": np.tile(np.float32([1, 1, 0, 0]), (b, 1)),
+        "source_flipped": np.zeros((b,), bool),
+        "boxes": np.where(boxes_mask[..., None], boxes, 0).astype(np.float32),
+        "labels": np.where(boxes_mask, rng.integers(0, NUM_CLASSES, size=(b, m)), -1).astype(np.int32),
+        "boxes_mask": boxes_mask,
+        "image_id": np.arange(b, dtype=np.int32),
+        "scale": np.ones((b,), np.float32),
+        "original_size": np.full((b, 2), h, np.int32),
+        "example_mask": np.ones((b,), bool),
+    }

@@ -22,8 +22,8 @@ import optax
 import pytest
 
 import sharding
-from configs import vitdet_tiny
-from detector.models import families
+from configs import common, vitdet_tiny
+from detector.models import families, retinanet
 from detector.models.retinanet import create_model
 from detector.models.vit import ViT
 from detector.training.train_compile import plan_train_step
@@ -160,6 +160,32 @@ def test_tensor_parallel_block_needs_two_all_reduces_in_the_forward_pass(scan):
     qkv = next(v for k, v in specs.items() if k.endswith("qkv/kernel"))
     fc2 = next(v for k, v in specs.items() if k.endswith("fc2/kernel"))
     assert "'model'" in qkv and "'model'" in fc2, specs
+    all_reduces = [c for c in parse_collectives(compiled.as_text()) if c.kind == "all-reduce"]
+    assert sum(c.executions for c in all_reduces) == 2 * config.model.backbone.depth, all_reduces
+    assert all(c.group_size == 4 for c in all_reduces), all_reduces
+
+
+def foundation_vit_config(**backbone_options):
+    """A width-reduced DINOv3 7B-type backbone: RoPE, SwiGLU, LayerScale, class + 4 register tokens, global blocks."""
+    config = tensor_parallel_vit_config()
+    config.model.backbone = common.dinov3_backbone(64, 4, 4, mlp="swiglu", mlp_hidden=128, **backbone_options)
+    config.input.image_size = (64, 64)
+    return config
+
+
+@pytest.mark.parametrize("training", ["full", "lora"])
+def test_foundation_vit_block_needs_two_all_reduces_in_the_forward_pass(training):
+    """The 7B's block type keeps the Megatron count on (data 2, model 4): 2 all-reduces of 4 devices per block.
+
+    With LoRA too: the adapters of the out-projection and fc2 contract the
+    split axis as well, but their partial products are summed into the
+    kernels' before the one all-reduce.
+    """
+    config = foundation_vit_config(training=training, lora_rank=4 if training == "lora" else 16)
+    backbone = retinanet.create_backbone(config.model, jnp.float32)
+    compiled, params = _compiled_forward(backbone, config, (2, 1, 4), lambda features: features[4])
+    specs = {k: str(v.sharding.spec) for k, v in flax.traverse_util.flatten_dict(params, sep="/").items()}
+    assert "'model'" in specs["stages/global/mlp/fc1/kernel"] and "'model'" in specs["stages/global/mlp/fc2/kernel"]
     all_reduces = [c for c in parse_collectives(compiled.as_text()) if c.kind == "all-reduce"]
     assert sum(c.executions for c in all_reduces) == 2 * config.model.backbone.depth, all_reduces
     assert all(c.group_size == 4 for c in all_reduces), all_reduces

@@ -9,47 +9,21 @@ from __future__ import annotations
 import flax
 import jax
 import jax.numpy as jnp
-import numpy as np
 import pytest
 
-from configs import dino_tiny, vitdet_tiny
+from configs import common, default, dino_tiny, vitdet_tiny
 from detector.models import families
 from tests.helpers.sharded_training import (
     NUM_CLASSES,
     assert_same_training,
     data_parallel_shape,
     fixed_dino_decisions,
+    random_batch,
     spatial_config,
     train_on_mesh,
 )
 
 pytestmark = pytest.mark.slow
-
-
-def random_batch(config, seed: int) -> dict[str, np.ndarray]:
-    """A global batch shaped like the pipeline's: a few random boxes per image."""
-    rng = np.random.default_rng(seed)
-    b, (h, w), m = config.global_batch_size, config.input.image_size, config.input.max_boxes
-    corners = rng.uniform(0, h * 0.6, size=(b, m, 2))
-    sizes = rng.uniform(h * 0.1, h * 0.4, size=(b, m, 2))
-    boxes = np.concatenate([corners, corners + sizes], axis=-1).astype(np.float32)
-    boxes_mask = np.arange(m)[None, :] < rng.integers(1, 4, size=(b, 1))
-    image_hw = np.stack([rng.integers(h // 2, h + 1, size=b), np.full(b, w)], -1).astype(np.int32)
-    return {
-        "image": rng.integers(0, 256, size=(b, h, w, 3), dtype=np.uint8),
-        "image_hw": image_hw,
-        # Resized on the host: the identity geometry.
-        "source_hw": image_hw,
-        "source_to_image": np.tile(np.float32([1, 1, 0, 0]), (b, 1)),
-        "source_flipped": np.zeros((b,), bool),
-        "boxes": np.where(boxes_mask[..., None], boxes, 0).astype(np.float32),
-        "labels": np.where(boxes_mask, rng.integers(0, NUM_CLASSES, size=(b, m)), -1).astype(np.int32),
-        "boxes_mask": boxes_mask,
-        "image_id": np.arange(b, dtype=np.int32),
-        "scale": np.ones((b,), np.float32),
-        "original_size": np.full((b, 2), h, np.int32),
-        "example_mask": np.ones((b,), bool),
-    }
 
 
 def check_sharded_training(config, mesh_shape, expected_specs, max_collectives):
@@ -139,6 +113,45 @@ def test_vit_detector_trains_identically_on_a_2x2x2_mesh():
     config = vitdet_tiny.get_config()
     config.global_batch_size = 4
     check_sharded_training(config, (2, 2, 2), VIT_SPECS, VIT_COLLECTIVES)
+
+
+# The DINOv3 7B block type at width 32: 2 heads and 2 x 64 SwiGLU units split
+# over 'model', LoRA adapters split like their kernels.
+FOUNDATION_SPECS = {
+    "backbone/stages/global/attn/qkv/kernel": "P(None, 'fsdp', None, 'model', None)",
+    "backbone/stages/global/attn/out/kernel": "P(None, 'model', None, 'fsdp')",
+    "backbone/stages/global/mlp/fc1/kernel": "P(None, 'fsdp', None, 'model')",
+    "backbone/stages/global/mlp/fc2/kernel": "P(None, 'model', 'fsdp')",
+    "backbone/stages/global/ls1": "P(None, 'fsdp')",
+}
+FOUNDATION_LORA_SPECS = {
+    "backbone/stages/global/attn/qkv/lora_a": "P(None, 'fsdp', None)",
+    "backbone/stages/global/attn/qkv/lora_b": "P(None, None, None, 'model', None)",
+    "backbone/stages/global/mlp/fc2/lora_a": "P(None, 'model', None)",
+}
+# A frozen backbone reduces no gradient of its own: 15 all-reduces fewer.
+FOUNDATION_COLLECTIVES = {
+    "full": {"all-reduce": 27, "all-gather": 127, "reduce-scatter": 0, "all-to-all": 0, "collective-permute": 52},
+    "frozen": {"all-reduce": 12, "all-gather": 101, "reduce-scatter": 0, "all-to-all": 0, "collective-permute": 51},
+    "lora": {"all-reduce": 32, "all-gather": 135, "reduce-scatter": 0, "all-to-all": 0, "collective-permute": 79},
+}
+
+
+@pytest.mark.parametrize("training", ["full", "frozen", "lora"])
+def test_foundation_vit_trains_identically_on_a_2x2x2_mesh(training):
+    """A width-reduced DINOv3 7B-type backbone (RoPE, SwiGLU, LayerScale, class and register tokens, global
+    blocks) under a tiny RetinaNet head: each way of training it gives one device's numbers on (2, 2, 2)."""
+    config = default.get_config()
+    config.model.backbone = common.dinov3_backbone(32, 2, 2, mlp="swiglu", mlp_hidden=64, training=training)
+    if training == "lora":
+        config.model.backbone.lora_rank, config.model.backbone.lora_alpha = 2, 4.0
+    config.input.image_size = (64, 64)
+    config.input.max_boxes = 8
+    config.global_batch_size = 4
+    config.model.fpn_features = config.model.head_features = 16
+    config.model.head_convs = 1
+    specs = {**FOUNDATION_SPECS, **(FOUNDATION_LORA_SPECS if training == "lora" else {})}
+    check_sharded_training(config, (2, 2, 2), specs, FOUNDATION_COLLECTIVES[training])
 
 
 def test_spatial_partitioning_trains_identically():

@@ -181,6 +181,27 @@ def test_layer_decay_follows_vitdet_block_depth(scan):
     assert multipliers["backbone/pos_embed"] == pytest.approx(0.5 ** (depth + 1))
 
 
+def test_layer_decay_puts_prefix_tokens_with_the_embeddings():
+    """A DINOv3-style ViT (global blocks, class and register tokens): tokens at decay ** (depth + 1), block i at
+    decay ** (depth - i)."""
+    from flax import traverse_util
+
+    from configs import dino_dinov3_tiny
+
+    config = dino_dinov3_tiny.get_config()
+    config.optimizer.layer_decay = 0.5
+    multipliers = traverse_util.flatten_dict(
+        optim.learning_rate_multipliers(config.optimizer, config.model)(_model_params(config)), sep="/"
+    )
+    depth = config.model.backbone.depth
+    for name in ("cls_token", "reg_token", "patch_embed/kernel"):
+        assert multipliers[f"backbone/{name}"] == pytest.approx(0.5 ** (depth + 1)), name
+    np.testing.assert_allclose(
+        np.ravel(multipliers["backbone/stages/global/ls1"]), 0.5 ** (depth - np.arange(depth)), rtol=1e-6
+    )
+    assert multipliers["backbone/norm/scale"] == 1.0
+
+
 def test_bad_multipliers_are_config_errors():
     config = default.get_config()
     config.optimizer.layer_decay = 0.8
