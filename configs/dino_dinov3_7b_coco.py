@@ -17,15 +17,19 @@ config argument:
           parameters, their AdamW moments, gradients and the EMA are 134 GB
           before activations, so the run shards parameters over `fsdp`, splits
           heads and the MLP over `model` (the Megatron layout: 2 all-reduces
-          per block) and rematerialises every block. Mesh (data 8, fsdp 4,
-          model 2) on 64 GPUs of 80 GB; see docs/sharding.md for the plan of
-          this and two other meshes.
+          per block) and rematerialises every block: mesh (data 8, fsdp 4,
+          model 2) on 64 GPUs of 80 GB, 34.8 GB per device by `detector.plan`
+          (8 GPUs would need 136 GB each).
   frozen  the 7B gets no gradient, optimizer state or EMA copy, and keeps no
-          activations for backward: 8 GPUs of 80 GB, the backbone's weights
-          sharded over fsdp 8 (DINOv3's own detector keeps the 7B frozen).
+          activations for backward: 8 GPUs of 80 GB, its weights sharded over
+          fsdp 8, 38.2 GB per device (DINOv3's own detector keeps the 7B
+          frozen).
   lora    rank-16 adapters on qkv, the out-projection and both MLP matrices
-          (about 0.3% of the backbone's parameters) trained with the detector,
-          merged into the weights on export: 8 GPUs of 80 GB.
+          (37 M, 0.55% of the backbone's parameters) trained with the detector,
+          merged into the weights on export: 8 GPUs of 80 GB with 2
+          micro-batches per step (49.3 GB per device; 92.5 GB in one pass).
+
+The plans of these and of other meshes: docs/sharding.md.
 
   python -m detector.plan --config=configs/dino_dinov3_7b_coco.py --devices=64
   python -m detector.plan --config=configs/dino_dinov3_7b_coco.py:frozen --devices=8
@@ -48,4 +52,8 @@ def get_config(variant: str = "full") -> ml_collections.ConfigDict:
     config = common.dino_foundation_coco(backbone, layer_decay=0.9)
     if variant == "full":
         config.mesh.fsdp, config.mesh.model = 4, 2  # data: the rest (8 of 64 devices)
+    if variant == "lora":
+        # Backward through the 7B for 8 images per device: 2 micro-batches of 4
+        # keep the attention temporaries of one block within memory.
+        config.optimizer.accumulate_steps = 2
     return config
