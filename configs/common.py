@@ -520,16 +520,19 @@ def vitdet_coco(backbone: ml_collections.ConfigDict) -> ml_collections.ConfigDic
     return config
 
 
-def dino_foundation_coco(backbone: ml_collections.ConfigDict, *, layer_decay: float) -> ml_collections.ConfigDict:
-    """DINO-4scale on a foundation ViT `backbone` (from `dinov3_backbone`) on COCO 2017: the DINOv3 recipes.
+def dino_vit_coco(
+    backbone: ml_collections.ConfigDict, *, layer_decay: float = 1.0, backbone_lr_multiplier: float = 1.0
+) -> ml_collections.ConfigDict:
+    """DINO-4scale on a ViT `backbone` with the simple feature pyramid on COCO 2017, 12 epochs.
 
     ViTDet's recipe (`vitdet_coco`: LSJ 0.1-2.0 to 1024x1024, bf16 compute,
     AdamW lr 1e-4, weight decay 0.1, global batch 64) for 12 epochs with a
     x0.1 step at epoch 11, gradient clipping at 0.1, an EMA of the
-    parameters, per-block rematerialisation, and the simple feature pyramid
-    under configs/dino_r50_coco.py's DINO transformer. A fully trained
-    backbone gets ViTDet's layer-wise decay `layer_decay`; a frozen or LoRA
-    one none (its base weights do not train).
+    parameters, per-block rematerialisation and FSDP over 8, under
+    configs/dino_r50_coco.py's DINO transformer. A backbone that trains in
+    full gets ViTDet's layer-wise decay `layer_decay` and/or a learning-rate
+    multiplier (DETR's x0.1); a frozen or LoRA one neither (its base weights
+    do not train).
     """
     epoch_steps = 1_849  # 118,287 COCO train2017 images at global batch 64
     config = vitdet_coco(backbone)
@@ -539,7 +542,10 @@ def dino_foundation_coco(backbone: ml_collections.ConfigDict, *, layer_decay: fl
     config.mesh.fsdp = 8
 
     config.optimizer.grad_clip_norm = 0.1
-    config.optimizer.layer_decay = layer_decay if backbone.training == "full" else 1.0
+    if backbone.training == "full":
+        config.optimizer.layer_decay = layer_decay
+        if backbone_lr_multiplier != 1.0:
+            config.optimizer.lr_multipliers = (("backbone/.*", backbone_lr_multiplier),)
     config.optimizer.warmup_steps = 250
     config.optimizer.decay_boundaries = (11 * epoch_steps,)
     config.optimizer.ema_decay = 0.9999

@@ -49,7 +49,7 @@ DEVICES = {"full": 64, "frozen": 8, "lora": 8}
 def get_config(variant: str = "full") -> ml_collections.ConfigDict:
     """`variant`: how the backbone trains, 'full', 'frozen' or 'lora' (model.backbone.training)."""
     backbone = common.dinov3_backbone(4096, 40, 32, mlp="swiglu", mlp_hidden=8192, training=variant)
-    config = common.dino_foundation_coco(backbone, layer_decay=0.9)
+    config = common.dino_vit_coco(backbone, layer_decay=0.9)
     if variant == "full":
         config.mesh.fsdp, config.mesh.model = 4, 2  # data: the rest (8 of 64 devices)
     if variant == "lora":

@@ -37,4 +37,4 @@ from configs import common
 
 def get_config(variant: str = "full") -> ml_collections.ConfigDict:
     """`variant`: how the backbone trains, 'full', 'frozen' or 'lora' (model.backbone.training)."""
-    return common.dino_foundation_coco(common.dinov3_backbone(1024, 24, 16, training=variant), layer_decay=0.8)
+    return common.dino_vit_coco(common.dinov3_backbone(1024, 24, 16, training=variant), layer_decay=0.8)

@@ -25,24 +25,8 @@ import ml_collections
 
 from configs import common
 
-EPOCH_STEPS = 1_849  # 118,287 COCO train2017 images at global batch 64
-
 
 def get_config() -> ml_collections.ConfigDict:
-    config = common.vitdet_coco(common.vit_backbone(1024, 24, 16, global_attention_every=6))
-    config.model.name = "dino"
-    config.model.dino = common.dino_model()
-    config.model.remat = "full"
-    # ~0.34 B parameters with AdamW moments and the EMA: shard them.
-    config.mesh.fsdp = 8
-
-    config.optimizer.grad_clip_norm = 0.1
-    config.optimizer.lr_multipliers = (("backbone/.*", 0.1),)
-    config.optimizer.warmup_steps = 250
-    config.optimizer.decay_boundaries = (11 * EPOCH_STEPS,)
-    config.optimizer.ema_decay = 0.9999
-
-    config.postprocess.score_threshold = 0.0
-    config.total_steps = 12 * EPOCH_STEPS
-    config.checkpoint_every_steps = 1_000
-    return config
+    # ~0.34 B parameters with AdamW moments and the EMA: FSDP over 8 (common.dino_vit_coco).
+    backbone = common.vit_backbone(1024, 24, 16, global_attention_every=6)
+    return common.dino_vit_coco(backbone, backbone_lr_multiplier=0.1)

@@ -23,11 +23,15 @@ from sharding.collectives import parse_collectives, summarize
 NUM_CLASSES = 4  # synthetic_shapes
 
 
-def abstract_state_on_mesh(config, mesh) -> TrainState:
-    """The trainer's train state for `config` as ShapeDtypeStructs carrying `mesh`'s shardings (restore target)."""
+def abstract_state_on_mesh(config, mesh, num_classes: int | None = None) -> TrainState:
+    """The trainer's train state for `config` as ShapeDtypeStructs carrying `mesh`'s shardings (restore target).
+
+    `num_classes`: None reads it from the config's dataset.
+    """
     rules = sharding.logical_rules(config.sharding)
-    info = input_pipeline.get_dataset_info(config)
-    model = families.create_model(config, info.num_classes)
+    if num_classes is None:
+        num_classes = input_pipeline.get_dataset_info(config).num_classes
+    model = families.create_model(config, num_classes)
     tx, _ = optim.create_optimizer(config.optimizer, config.total_steps, model_config=config.model)
     with sharding.use_mesh(mesh, rules):
         abstract_state, _ = state_shardings(

@@ -21,6 +21,7 @@ import pytest
 
 from detector.models import weight_import
 from detector.models.vit import ViT
+from tests.helpers.foundation_vit import dinov3_options
 
 torch = pytest.importorskip("torch")
 
@@ -136,17 +137,9 @@ def test_timm_dinov3(variant, overrides, options):
     pixels = images((80, 96))  # a 5x6 grid; the checkpoint's is 4x4
     with torch.no_grad():
         expected = reference_grid(net.forward_features(torch.from_numpy(pixels)), 5, (5, 6))
-    config = dict(
-        absolute_position=False,
-        rope="dinov3",
-        rope_temperature=100.0,
-        class_token=True,
-        register_tokens=4,
-        layer_scale=1e-5,
-        norm_epsilon=1e-5,
-        **options,
-    )
-    vit = ViT(**{**vit_options(), **config}, patch_size=16)
+    config = {key: value for key, value in dinov3_options(64, 2, 4).items() if key not in vit_options()}
+    config.update(options)
+    vit = ViT(**{**vit_options(), **config})
     check(variant, our_patch_tokens(vit, state_dict_of(net), pixels, config), expected)
 
 

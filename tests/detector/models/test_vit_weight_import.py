@@ -30,6 +30,7 @@ from detector.models import families, weight_import
 from detector.models.retinanet import create_model
 from detector.models.vit import ViT
 from tests.helpers import REPO_ROOT
+from tests.helpers.foundation_vit import dinov3_options
 
 WIDTH, DEPTH, HEADS, PATCH = 64, 4, 4, 16
 erf = np.vectorize(math.erf)
@@ -570,20 +571,7 @@ def dinov3_like_state_dict(width=WIDTH, depth=2, head_dim=16, temperature=100.0,
 
 
 def dinov3_vit(**overrides):
-    options = dict(
-        embed_dim=WIDTH,
-        depth=2,
-        num_heads=HEADS,
-        global_attention_every=1,
-        absolute_position=False,
-        rope="dinov3",
-        rope_temperature=100.0,
-        class_token=True,
-        register_tokens=4,
-        layer_scale=1e-5,
-        qkv_bias="none",
-    )
-    return ViT(**{**options, **overrides})
+    return ViT(**dinov3_options(WIDTH, 2, HEADS, **overrides))
 
 
 def dinov3_config(vit):

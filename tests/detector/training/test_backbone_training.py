@@ -24,11 +24,11 @@ from detector.models import families
 from detector.serving import artifact
 from detector.serving.predictor import Predictor
 from detector.training import checkpointing, optim, steps, train_compile
-from detector.training.train_state import evaluated_params, init_train_state, state_shardings
+from detector.training.train_state import evaluated_params, init_train_state
 from sharding import step_plan
 from sharding.collectives import parse_collectives, summarize
 from sharding.memory import per_device_bytes
-from tests.helpers.sharded_training import NUM_CLASSES, random_batch
+from tests.helpers.sharded_training import NUM_CLASSES, abstract_state_on_mesh, random_batch
 
 TINY = {
     "input.image_size": (64, 64),
@@ -83,20 +83,7 @@ def _compile_and_train(config, mesh, steps_to_run: int) -> types.SimpleNamespace
 
 def _abstract_state(config, mesh_shape=(2, 1, 1)):
     mesh = sharding.create_mesh(dict(zip(sharding.MESH_AXES, mesh_shape)), devices=jax.devices()[: np.prod(mesh_shape)])
-    rules = sharding.logical_rules(config.sharding)
-    model = families.create_model(config, NUM_CLASSES)
-    tx, _ = optim.create_optimizer(config.optimizer, config.total_steps, model_config=config.model)
-    with sharding.use_mesh(mesh, rules):
-        abstract_state, _ = state_shardings(
-            model,
-            tx,
-            tuple(config.input.image_size),
-            mesh,
-            rules,
-            ema=True,
-            trainable=optim.trainable_parameters(config.model),
-        )
-    return abstract_state
+    return abstract_state_on_mesh(config, mesh, NUM_CLASSES)
 
 
 def _bytes(tree, keep=lambda name: True) -> int:
