@@ -49,13 +49,18 @@ import zipfile
 from collections.abc import Iterable, Sequence
 
 import numpy as np
-from array_record.python import array_record_data_source
+from array_record.python import array_record_module
 
 from input_pipeline import progress, records
 from input_pipeline.dataset_errors import DatasetError
 from input_pipeline.datasets import split_writer
 from input_pipeline.datasets.split_writer import FORMAT_VERSION, INDEX, MANIFEST, SHARD_BYTES
 from sharding.tables import markdown_table
+
+# Random reads: no read-ahead (records are read in shuffled order), a small
+# file buffer (a record is one compressed image).
+_READER_OPTIONS = "readahead_buffer_size:0"
+_READER_BUFFER_BYTES = 32 << 10
 
 
 @dataclasses.dataclass(frozen=True)
@@ -108,6 +113,15 @@ class PreparedSplit:
 class RecordReader:
     """Random access to a prepared split's serialized records.
 
+    One ArrayRecord reader per shard, opened here; a batch of record ids is
+    read shard by shard in the calling thread (each shard's reader reads its
+    positions with its own C++ threads). No Python thread is started per
+    read: tf.data calls read() from its own threads, where a thread pool per
+    call (ArrayRecordDataSource's) contends on the interpreter-wide executor
+    lock, and a garbage collection that frees another tf.data iterator while
+    that lock is held waits on that iterator's threads, which wait on the
+    lock: a deadlock seen in practice.
+
     A record that cannot be read (a shard corrupted after its checks at
     open) raises DatasetError naming `directory` and the fix.
     """
@@ -116,28 +130,50 @@ class RecordReader:
         if directory is None and shard_paths:
             directory = os.path.dirname(os.fspath(shard_paths[0]))
         self._directory = directory
-        self._source = array_record_data_source.ArrayRecordDataSource([os.fspath(p) for p in shard_paths])
-        # tf.data calls read() from several threads; the data source opens its
-        # file readers lazily and is not documented as thread-safe. Reads are
-        # batched and cheap next to decoding, so serializing them costs little.
+        try:
+            self._readers = [
+                array_record_module.ArrayRecordReader(
+                    os.fspath(path), options=_READER_OPTIONS, file_reader_buffer_size=_READER_BUFFER_BYTES
+                )
+                for path in shard_paths
+            ]
+        except (RuntimeError, ValueError) as e:
+            raise self._error(e) from e
+        counts = [reader.num_records() for reader in self._readers]
+        # Record i is in shard s when starts[s] <= i < starts[s + 1].
+        self._starts = np.concatenate([[0], np.cumsum(counts, dtype=np.int64)])
+        # tf.data calls read() from several threads; a reader is not
+        # documented as thread-safe. Reads are batched and cheap next to
+        # decoding, so serializing them costs little.
         self._lock = threading.Lock()
 
     def __len__(self) -> int:
-        return len(self._source)
+        return int(self._starts[-1])
+
+    def _error(self, error: Exception) -> DatasetError:
+        cause = (str(error).splitlines() or [type(error).__name__])[0][:200]
+        return DatasetError(
+            f"prepared split {self._directory} cannot be read ({cause}); delete {self._directory} to "
+            "convert the source again"
+        )
 
     def read(self, record_ids: np.ndarray) -> np.ndarray:
         """object [n] of bytes: the serialized records `record_ids` (int [n])."""
-        ids = [int(i) for i in np.asarray(record_ids).reshape(-1)]
+        ids = np.asarray(record_ids, np.int64).reshape(-1)
         out = np.empty(len(ids), dtype=object)
+        if not len(ids):
+            return out
+        if ids.min() < 0 or ids.max() >= len(self):
+            raise IndexError(f"record ids {ids.min()}..{ids.max()} outside the split's {len(self)} records")
+        shards = np.searchsorted(self._starts, ids, side="right") - 1
         try:
             with self._lock:
-                out[:] = self._source.__getitems__(ids) if ids else []
+                for shard in np.unique(shards).tolist():
+                    where = np.flatnonzero(shards == shard)
+                    positions = (ids[where] - self._starts[shard]).tolist()
+                    out[where] = self._readers[shard].read(positions)
         except RuntimeError as e:  # Riegeli: "Invalid ... chunk boundary", hash mismatches, truncation
-            cause = (str(e).splitlines() or [type(e).__name__])[0][:200]
-            raise DatasetError(
-                f"prepared split {self._directory} cannot be read ({cause}); delete {self._directory} to "
-                "convert the source again"
-            ) from e
+            raise self._error(e) from e
         return out
 
 

@@ -119,10 +119,32 @@ def test_bad_vit_settings_name_the_config_key(overrides, message):
 # ---- foundation-backbone options ----
 
 
+_INITIALISED = {}
+
+
 def init_and_apply(vit, size=(64, 64), seed=0):
-    images = jax.random.normal(jax.random.key(seed), (1, *size, 3))
-    params = vit.init(jax.random.key(1), images)
-    return params, vit.apply(params, images)[4], images
+    """(variables, level-4 output, images) of `vit` on random images, compiled as one program and cached."""
+    key = (repr(vit), size, seed)
+    if key not in _INITIALISED:
+        images = jax.random.normal(jax.random.key(seed), (1, *size, 3))
+
+        def init_and_run(images):
+            variables = vit.init(jax.random.key(1), images)
+            return variables, vit.apply(variables, images)[4]
+
+        _INITIALISED[key] = (*jax.jit(init_and_run)(images), images)
+    return _INITIALISED[key]
+
+
+_COMPILED = {}
+
+
+def applied(vit, variables, images, method=None):
+    """`vit.apply(variables, images, method=method)`, jitted once per (module, method); level 4 unless a method."""
+    key = (repr(vit), method)
+    if key not in _COMPILED:
+        _COMPILED[key] = jax.jit(lambda v, x: vit.apply(v, x, method=method) if method else vit.apply(v, x)[4])
+    return _COMPILED[key](variables, images)
 
 
 def param_shapes(params):
@@ -203,13 +225,14 @@ def test_logical_axes_of_the_new_parameters():
 
 def test_qv_bias_ignores_the_k_part():
     vit = tiny_vit(qkv_bias="qv")
-    params, out, images = init_and_apply(vit)
+    params, _, images = init_and_apply(vit)
+    out = applied(vit, params, images)
     changed = jax.tree.map(lambda x: x, nn.meta.unbox(params))
     bias = changed["params"]["stages"]["global"]["attn"]["qkv"]["bias"]
     changed["params"]["stages"]["global"]["attn"]["qkv"]["bias"] = bias.at[:, 1].add(3.0)
-    np.testing.assert_array_equal(vit.apply(changed, images)[4], out)
+    np.testing.assert_array_equal(applied(vit, changed, images), out)
     changed["params"]["stages"]["global"]["attn"]["qkv"]["bias"] = bias.at[:, 0].add(3.0)
-    assert not np.allclose(vit.apply(changed, images)[4], out, atol=1e-3)
+    assert not np.allclose(applied(vit, changed, images), out, atol=1e-3)
 
 
 def reference_angles(kind, grid, head_dim, temperature, reference):
@@ -257,20 +280,22 @@ def test_rope_with_windows_keeps_the_full_grids_rotation():
     kwargs = dict(absolute_position=False, rope="dinov3", rope_temperature=100.0)
     windowed, global_ = tiny_vit(window_size=4, **kwargs), tiny_vit(window_size=0, **kwargs)
     params, out, images = init_and_apply(windowed)
-    np.testing.assert_allclose(global_.apply(params, images)[4], out, rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(applied(global_, params, images), out, rtol=1e-5, atol=1e-5)
     # Padded windows (3x3 over 4x4) differ from global attention but stay finite.
-    assert np.isfinite(tiny_vit(window_size=3, **kwargs).apply(params, images)[4]).all()
+    assert np.isfinite(applied(tiny_vit(window_size=3, **kwargs), params, images)).all()
 
 
 def test_patch_14_grid_is_resized_to_stride_16():
     vit = tiny_vit(patch_size=14, pretrain_image_size=56)
     params, out, images = init_and_apply(vit, size=(70, 98))
-    tokens = vit.apply(params, images, method=ViT.patch_tokens)
+    tokens = applied(vit, params, images, method=ViT.patch_tokens)
     assert tokens.shape == (1, 5, 7, 32) and out.shape == (1, 5, 7, 32)  # ceil(70/16), ceil(98/16)
     params, out, images = init_and_apply(vit, size=(112, 112))
-    assert vit.apply(params, images, method=ViT.patch_tokens).shape == (1, 8, 8, 32) and out.shape == (1, 7, 7, 32)
+    assert applied(vit, params, images, method=ViT.patch_tokens).shape == (1, 8, 8, 32) and out.shape == (1, 7, 7, 32)
     np.testing.assert_allclose(
-        out, jax.image.resize(vit.apply(params, images, method=ViT.patch_tokens), (1, 7, 7, 32), "bilinear"), atol=1e-6
+        out,
+        jax.image.resize(applied(vit, params, images, method=ViT.patch_tokens), (1, 7, 7, 32), "bilinear"),
+        atol=1e-6,
     )
 
 
@@ -281,13 +306,13 @@ def test_lora_with_zero_b_is_the_plain_network_and_merges_exactly():
     merged = merge_lora(params, 4.0 / 2)
     assert not any("lora" in "/".join(str(k.key) for k in p) for p, _ in jax.tree_util.tree_leaves_with_path(merged))
     np.testing.assert_allclose(
-        adapted.apply({"params": params}, images)[4], plain.apply({"params": merged}, images)[4], atol=1e-6
+        applied(adapted, {"params": params}, images), applied(plain, {"params": merged}, images), atol=1e-6
     )
     # Trained adapters (b no longer zero) change the output, and merging still reproduces it.
     trained = jax.tree_util.tree_map_with_path(lambda path, x: x + 0.1 if path[-1].key == "lora_b" else x, params)
-    out = adapted.apply({"params": trained}, images)[4]
-    assert not np.allclose(out, adapted.apply({"params": params}, images)[4], atol=1e-3)
-    np.testing.assert_allclose(plain.apply({"params": merge_lora(trained, 2.0)}, images)[4], out, rtol=1e-4, atol=1e-4)
+    out = applied(adapted, {"params": trained}, images)
+    assert not np.allclose(out, applied(adapted, {"params": params}, images), atol=1e-3)
+    np.testing.assert_allclose(applied(plain, {"params": merge_lora(trained, 2.0)}, images), out, rtol=1e-4, atol=1e-4)
 
 
 @pytest.mark.parametrize(
