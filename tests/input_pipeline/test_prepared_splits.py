@@ -107,6 +107,25 @@ def prepared(folder, tmp_path):
     return split, manifest
 
 
+def test_reads_across_shards_in_any_order_start_no_python_thread(folder, tmp_path, monkeypatch):
+    """tf.data calls read() from its own threads: a Python thread started there can deadlock with a garbage
+    collection of another pipeline (see cache.RecordReader), so reading starts none."""
+    split = _convert(folder, tmp_path / "split", 1, shard_bytes=1)  # one record per shard
+    reader = split.open_reader()
+    records = _all_records(split)
+    assert len(split.shard_paths) == split.num_records > 2
+
+    def no_thread(*args, **kwargs):
+        raise AssertionError("read() started a Python thread")
+
+    monkeypatch.setattr(threading.Thread, "start", no_thread)
+    order = np.random.default_rng(0).permutation(split.num_records)
+    assert list(reader.read(order)) == [records[i] for i in order]
+    assert list(reader.read(np.array([], np.int64))) == []
+    with pytest.raises(IndexError, match="outside the split"):
+        reader.read(np.array([split.num_records]))
+
+
 def test_opening_checks_sizes_and_edges_against_the_manifest(prepared):
     split, manifest = prepared
     shard = split.shard_paths[0]
