@@ -2,14 +2,10 @@
 
 import os
 
-# XNNPACK kernels make XLA:CPU convolutions ~1.6x faster (the CLIs turn it on too).
-# The suite compiles far more than it runs: skipping LLVM's optimisation of the
-# generated CPU code takes a third off its time. What XLA computes (HLO
-# passes, partitioning, buffer assignment, so the memory figures) is unchanged.
-os.environ["XLA_FLAGS"] = (
-    os.environ.get("XLA_FLAGS", "")
-    + " --xla_force_host_platform_device_count=8 --xla_cpu_use_xnnpack=true --xla_backend_optimization_level=0"
-).strip()
+from tests.helpers import quick_xla_flags  # imports no jax
+
+# Quick XLA:CPU compiles (why: tests/helpers/__init__.py) on 8 fake devices.
+os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} {quick_xla_flags(devices=8)}".strip()
 os.environ["JAX_PLATFORMS"] = "cpu"
 # TensorFlow is only the input pipeline here; keep it quiet and off any GPU.
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")

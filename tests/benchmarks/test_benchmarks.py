@@ -11,7 +11,7 @@ import sys
 import pytest
 
 from benchmarks import gpu, profile_step
-from tests.helpers import REPO_ROOT
+from tests.helpers import REPO_ROOT, quick_xla_flags
 
 pytestmark = pytest.mark.slow
 
@@ -19,9 +19,8 @@ pytestmark = pytest.mark.slow
 def _cpu_env() -> dict[str, str]:
     """The test process's environment on one CPU device (conftest's 8 fake devices would split batch 2)."""
     env = dict(os.environ, JAX_PLATFORMS="cpu")
-    # Quick XLA:CPU code generation, as conftest sets for the suite: these runs
-    # compile far more than they compute.
-    env["XLA_FLAGS"] = "--xla_cpu_use_xnnpack=true --xla_backend_optimization_level=0"
+    # Quick XLA:CPU compiles, as for the suite: these runs compile far more than they compute.
+    env["XLA_FLAGS"] = quick_xla_flags()
     return env
 
 

@@ -16,7 +16,7 @@ import time
 
 import pytest
 
-from tests.helpers import REPO_ROOT
+from tests.helpers import REPO_ROOT, quick_xla_flags
 from tests.helpers.runs import once_per_run
 from tests.helpers.tiny_config import as_flags, make_config
 
@@ -122,7 +122,7 @@ def cli_results(tmp_path_factory):
     data_dir.mkdir()
     env = dict(os.environ)
     env.update(
-        XLA_FLAGS="--xla_force_host_platform_device_count=8",
+        XLA_FLAGS=quick_xla_flags(devices=8),
         JAX_PLATFORMS="cpu",
         DETECTOR_DATA_DIR=str(data_dir),
         TF_CPP_MIN_LOG_LEVEL="2",

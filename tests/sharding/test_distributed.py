@@ -11,7 +11,7 @@ import pytest
 
 from sharding import distributed
 from sharding.distributed import DistributedError, DistributedOptions
-from tests.helpers import REPO_ROOT
+from tests.helpers import REPO_ROOT, quick_xla_flags
 from tests.helpers.processes import free_port
 
 pytestmark = pytest.mark.multiprocess
@@ -94,7 +94,7 @@ PEER = textwrap.dedent("""
 @pytest.mark.slow  # 10-20 s of compiling or real processes
 def test_a_dead_peer_stops_the_survivor_within_a_minute(tmp_path):
     address = f"127.0.0.1:{free_port()}"
-    env = {**_env(), "JAX_PLATFORMS": "cpu", "XLA_FLAGS": "--xla_force_host_platform_device_count=2"}
+    env = {**_env(), "JAX_PLATFORMS": "cpu", "XLA_FLAGS": quick_xla_flags(devices=2)}
     procs = [
         subprocess.Popen(
             [sys.executable, "-c", PEER, address, str(i)],

@@ -18,7 +18,7 @@ import pytest
 
 from detector.errors import TrainingError
 from detector.training import workdir_lock
-from tests.helpers import REPO_ROOT
+from tests.helpers import REPO_ROOT, quick_xla_flags
 from tests.helpers.processes import free_port
 from tests.helpers.tiny_config import as_flags
 
@@ -114,7 +114,7 @@ def test_every_process_of_a_launch_stops_when_process_0_finds_the_workdir_held(t
     workdir = tmp_path / "run"
     holder = start_holder(workdir)
     address = f"127.0.0.1:{free_port()}"
-    env = {**command_env(), "XLA_FLAGS": "--xla_force_host_platform_device_count=2"}
+    env = {**command_env(), "XLA_FLAGS": quick_xla_flags(devices=2)}
     try:
         launch = [
             subprocess.Popen(
