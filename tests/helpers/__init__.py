@@ -6,18 +6,14 @@ REPO_ROOT = pathlib.Path(__file__).resolve().parents[2]
 
 # XNNPACK kernels make XLA:CPU convolutions ~1.6x faster (the CLIs turn it on
 # too). The suite compiles far more than it runs: skipping LLVM's
-# optimisation of the generated CPU code takes a third off its time, and
-# emitting fusions through XLA:CPU's classic elemental emitter instead of its
-# MLIR fusion emitters halves what is left (the tiny DINO's train step:
-# 26 s -> 15 s; RetinaNet's: 9 s -> 4.6 s). With those fusions, XLA:CPU's
-# concurrency-optimised scheduler let devices of a 2x2x2 mesh reach a LoRA
-# ViT's collective-permutes in different orders and deadlock (jax 0.10); with
-# that scheduler off they do not. What XLA computes (HLO passes,
-# partitioning, buffer assignment, so the memory figures) is unchanged.
-QUICK_COMPILE_FLAGS = (
-    "--xla_cpu_use_xnnpack=true --xla_backend_optimization_level=0"
-    " --xla_cpu_use_fusion_emitters=false --xla_cpu_enable_concurrency_optimized_scheduler=false"
-)
+# optimisation of the generated CPU code takes a third off its time. What XLA
+# computes (HLO passes, partitioning, buffer assignment, so the memory
+# figures) is unchanged. (XLA:CPU's classic fusion emitter,
+# --xla_cpu_use_fusion_emitters=false, halves a tiny DINO's compile but left
+# the full suite's time where it was, deadlocked a 2x2x2 LoRA ViT's
+# collective-permutes under the concurrency-optimised scheduler, and without
+# that scheduler changed exact results and compiled memory: not used.)
+QUICK_COMPILE_FLAGS = "--xla_cpu_use_xnnpack=true --xla_backend_optimization_level=0"
 
 
 def quick_xla_flags(devices: int | None = None) -> str:

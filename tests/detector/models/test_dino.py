@@ -140,6 +140,7 @@ def test_matching_outputs_do_not_see_the_denoising_queries(setup, outputs):
 ONE_TO_MANY = 24  # NUM_QUERIES + ONE_TO_MANY = 56 of the 85 proposals of a 64 px input
 
 
+@pytest.mark.slow  # ~9 s of compiling the hybrid model
 def test_one_to_many_query_never_reaches_one_to_one_or_denoising_queries(setup, outputs):
     """Through the whole model, with denoising on: changing one one-to-many query's content changes every
     other one-to-many query and nothing else; the one-to-one and denoising outputs equal those without the
@@ -380,6 +381,7 @@ def test_decoder_references_are_detached_from_the_encoder_proposals(setup, outpu
     assert all(v > 0 for k, v in grad_norms(grads, "box_head/").items() if k.endswith("kernel"))
 
 
+@pytest.mark.slow  # ~16 s of compiling a pullback
 def test_look_forward_twice_gradient_reaches_inputs_only_through_the_previous_boxes(setup, pullback):
     """Layer k's boxes are sigmoid(delta_k + logit(boxes_{k-1})) with delta_k computed around a detached
     reference, so d boxes_k / d input = boxes_k (1 - boxes_k) / (b (1 - b)) elementwise (the chain

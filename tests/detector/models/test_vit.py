@@ -285,6 +285,7 @@ def test_rope_with_windows_keeps_the_full_grids_rotation():
     assert np.isfinite(applied(tiny_vit(window_size=3, **kwargs), params, images)).all()
 
 
+@pytest.mark.slow  # ~10 s of compiling
 def test_patch_14_grid_is_resized_to_stride_16():
     vit = tiny_vit(patch_size=14, pretrain_image_size=56)
     params, out, images = init_and_apply(vit, size=(70, 98))
@@ -299,6 +300,7 @@ def test_patch_14_grid_is_resized_to_stride_16():
     )
 
 
+@pytest.mark.slow  # ~10 s of compiling
 def test_lora_with_zero_b_is_the_plain_network_and_merges_exactly():
     plain, adapted = tiny_vit(mlp="swiglu"), tiny_vit(mlp="swiglu", lora_rank=2, lora_alpha=4.0)
     images = jax.random.normal(jax.random.key(0), (1, 64, 64, 3))

@@ -499,6 +499,7 @@ def test_converter_checks_the_file_on_its_own(tmp_path):
 # ---- the converter and the trainer's path ----
 
 
+@pytest.mark.slow  # a subprocess and a compile, ~7 s
 def test_cli_converts_safetensors_that_the_trainer_path_loads(tmp_path):
     safetensors_numpy = pytest.importorskip("safetensors.numpy")
     state = timm_vit_state_dict(grid=8, mae_decoder=True)

@@ -322,6 +322,7 @@ def _tiny_frozen_bn_config(**backbone):
     return config
 
 
+@pytest.mark.slow  # a subprocess and a compile, ~6 s
 def test_cli_converts_to_npz_that_loads_into_the_model(tmp_path):
     state = torchvision_state_dict((1, 1, 1, 1))
     np.savez(tmp_path / "resnet_tiny.npz", **state)
