@@ -286,7 +286,10 @@ def test_two_processes_train_like_one_and_stop_together_on_sigterm(reference, ca
     long_eval = {"dataset.num_eval_examples": 512}
     data = once_per_run(tmp_path_factory, "data_long_eval", _dataset_generator(**long_eval))
     # Only the preemption checkpoints and the last one: a checkpoint at a stop step is the preemption's.
+    # Split data=2 fsdp=2 model=2 over the processes' 8 devices, so every restart loads the programs the
+    # first run compiled (resharding a checkpoint onto another split: the topologies test below).
     command = train_command(data, tmp_path, checkpoint_every_steps=100, **long_eval)
+    command += ["--config.mesh.data=2", "--config.mesh.fsdp=2", "--config.mesh.model=2"]
 
     # 1. SIGTERM to one process mid-training: both stop after the same step.
     runs = start_processes(command, 2, 4, cache_dir)
@@ -298,12 +301,9 @@ def test_two_processes_train_like_one_and_stop_together_on_sigterm(reference, ca
     assert stop_steps[1] == stop and 3 <= stop < TOTAL_STEPS
     assert checkpoint_steps(tmp_path) == [stop]
 
-    # 2. Restarted on another split of the same 8 devices (resharded on load), with an
-    # evaluation at the next step; SIGTERM to one process mid-evaluation: both abandon
-    # it at the same batch and save that step, though no checkpoint was due there.
-    command += ["--config.mesh.data=2", "--config.mesh.fsdp=2", "--config.mesh.model=2"]
-    command += [f"--config.eval_every_steps={stop + 1}"]
-    runs = start_processes(command, 2, 4, cache_dir)
+    # 2. Restarted with an evaluation at the next step; SIGTERM to one process mid-evaluation:
+    # both abandon it at the same batch and save that step, though no checkpoint was due there.
+    runs = start_processes(command + [f"--config.eval_every_steps={stop + 1}"], 2, 4, cache_dir)
     runs[0].wait_for(rf"resuming from step {stop}\b")
     num_batches = int(runs[0].wait_for(rf"evaluating step {stop + 1}: (\d+) batches").group(1))
     runs[1].kill(signal.SIGTERM)
@@ -316,8 +316,9 @@ def test_two_processes_train_like_one_and_stop_together_on_sigterm(reference, ca
     assert checkpoint_steps(tmp_path) == [stop, stop + 1]
     assert not (tmp_path / "eval_metrics.jsonl").exists()  # nothing half-evaluated was recorded
 
-    # 3. The last restart runs to the end.
-    runs = start_processes(command, 2, 4, cache_dir)
+    # 3. The last restart runs to the end; its final evaluation reads the first 16 validation images
+    # (what is evaluated is no part of the training's state).
+    runs = start_processes(command + ["--config.dataset.eval_split=validation[:16]"], 2, 4, cache_dir)
     runs[0].wait_for(rf"resuming from step {stop + 1}\b")
     assert [run.finish() for run in runs] == [0, 0], runs[0].output[-3000:] + runs[1].output[-3000:]
     assert checkpoint_steps(tmp_path)[-1] == TOTAL_STEPS
