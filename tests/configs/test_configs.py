@@ -264,7 +264,15 @@ VIT_BACKBONE_PARAMS = {
 DETECTOR_PARAMS = {"dino_r50_coco.py": 47.0e6}
 
 
-@pytest.mark.parametrize("path", CONFIG_FILES, ids=lambda p: p.name)
+# The tiny recipes in the fast tier; tracing a full-size recipe's model takes 3-6 s, so those run in the slow tier.
+TINY_RECIPES = {"default.py", "dino_tiny.py", "dino_dinov3_tiny.py", "vitdet_tiny.py"}
+
+
+@pytest.mark.parametrize(
+    "path",
+    [path if path.name in TINY_RECIPES else pytest.param(path, marks=pytest.mark.slow) for path in CONFIG_FILES],
+    ids=lambda p: p.name,
+)
 def test_config_model_builds_at_its_input_size(path):
     """Shapes only (no compile, no allocation): every recipe's detector is well formed."""
     config = load_config_file(path)

@@ -1,7 +1,7 @@
 """`python -m detector.train` with bad input: one `error:` line naming the cause, no traceback.
 
 Each case is a real subprocess (importing TensorFlow and JAX takes seconds),
-so all of them start at once from one fixture and the tests read the results.
+so the cases of a tier start at once from one fixture and the tests read the results.
 """
 
 from __future__ import annotations
@@ -115,8 +115,13 @@ CASE_NAMES = [
 ]
 
 
-@pytest.fixture(scope="module")
-def cli_results(tmp_path_factory):
+# The fast tier starts these 4 processes; the other cases start together in the slow tier
+# (each process imports TensorFlow and JAX: 12 at once took a minute of 2 cores).
+FAST_CASES = ("wrong_mesh", "unknown_config_key", "bad_input_option", "verbose_wrong_mesh")
+
+
+def _run_cases(tmp_path_factory, names) -> dict[str, dict]:
+    """Starts `detector.train` for each named case at once; {name: case, returncode, stdout, stderr, data_dir}."""
     tmp = tmp_path_factory.mktemp("cli")
     data_dir = tmp / "data"
     data_dir.mkdir()
@@ -131,7 +136,8 @@ def cli_results(tmp_path_factory):
     cases = _cases(tmp)
     assert sorted(cases) == sorted(CASE_NAMES + ["verbose_wrong_mesh"])
     processes = {}
-    for name, case in cases.items():
+    for name in names:
+        case = cases[name]
         command = [
             sys.executable,
             "-m",
@@ -158,9 +164,27 @@ def cli_results(tmp_path_factory):
     return results
 
 
-@pytest.mark.parametrize("name", CASE_NAMES)
-def test_bad_input_fails_with_one_error_line(cli_results, name):
-    result = cli_results[name]
+@pytest.fixture(scope="module")
+def fast_cli_results(tmp_path_factory):
+    return _run_cases(tmp_path_factory, FAST_CASES)
+
+
+@pytest.fixture(scope="module")
+def slow_cli_results(tmp_path_factory):
+    return _run_cases(tmp_path_factory, [name for name in CASE_NAMES if name not in FAST_CASES])
+
+
+def _in_tier(names):
+    return [name if name in FAST_CASES else pytest.param(name, marks=pytest.mark.slow) for name in names]
+
+
+def cli_results(request, name: str) -> dict:
+    return request.getfixturevalue("fast_cli_results" if name in FAST_CASES else "slow_cli_results")[name]
+
+
+@pytest.mark.parametrize("name", _in_tier(CASE_NAMES))
+def test_bad_input_fails_with_one_error_line(request, name):
+    result = cli_results(request, name)
     stderr = result["stderr"]
     assert result["returncode"] != 0, stderr
     assert "Traceback" not in stderr, stderr
@@ -173,14 +197,16 @@ def test_bad_input_fails_with_one_error_line(cli_results, name):
     assert result["returncode"] == result["case"]["code"], stderr
 
 
-def test_bad_options_fail_before_any_data_is_read(cli_results):
+# One case of each group: all the cases of a group share its data directory.
+@pytest.mark.parametrize("name", _in_tier(["bad_input_option", "coco_not_prepared"]))
+def test_bad_options_fail_before_any_data_is_read(request, name):
     """Every case stops before preparing the embedded dataset: a bad option costs seconds, not a conversion."""
-    data_dir = cli_results["bad_input_option"]["data_dir"]
+    data_dir = cli_results(request, name)["data_dir"]
     assert data_dir.is_dir() and not any(data_dir.iterdir()), sorted(p.name for p in data_dir.iterdir())
 
 
-def test_verbose_shows_the_traceback(cli_results):
-    result = cli_results["verbose_wrong_mesh"]
+def test_verbose_shows_the_traceback(request):
+    result = cli_results(request, "verbose_wrong_mesh")
     assert result["returncode"] != 0
     assert "Traceback (most recent call last)" in result["stderr"]
     assert re.search(r"MeshError: mesh \(data=3, fsdp=1, model=1\) needs 3 devices", result["stderr"]), result["stderr"]

@@ -123,7 +123,7 @@ def test_train_resumes_at_position(data_dir):
             np.testing.assert_array_equal(got[key], want[key], err_msg=key)
 
 
-@pytest.mark.parametrize("process_count", [2, 4])
+@pytest.mark.parametrize("process_count", [2, pytest.param(4, marks=pytest.mark.slow)])
 def test_global_batches_do_not_depend_on_process_count(data_dir, process_count):
     """Each process's rows, side by side, are exactly the one-process global batch."""
     config = make_config(data_dir)

@@ -103,6 +103,7 @@ def assert_same(a, b, atol=1e-6):
     np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=0, atol=atol)
 
 
+@pytest.mark.slow  # compiles the whole model's gradient with respect to one query (about 20 s)
 def test_denoising_query_leaks_only_into_its_own_group(setup, outputs):
     """Changing one valid denoising query (image 0, group 0, positive copy of slot 1) changes the other
     queries of group 0 in image 0, and nothing else: not the matching queries, not the encoder outputs,

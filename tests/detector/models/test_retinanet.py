@@ -19,7 +19,15 @@ def _abstract_outputs(config, num_classes=4, batch=2):
     return variables, outputs
 
 
-@pytest.mark.parametrize("image_size,levels", [((128, 128), (3, 5)), ((96, 160), (3, 7)), ((100, 100), (4, 6))])
+@pytest.mark.parametrize(
+    "image_size,levels",
+    [
+        ((128, 128), (3, 5)),
+        # Tracing the full-width network takes 8-12 s: the other layouts run in the slow tier.
+        pytest.param((96, 160), (3, 7), marks=pytest.mark.slow),
+        pytest.param((100, 100), (4, 6), marks=pytest.mark.slow),
+    ],
+)
 def test_head_outputs_line_up_with_anchors(image_size, levels):
     config = default.get_config()
     config.input.image_size = image_size

@@ -46,7 +46,7 @@ def test_windowed_block_only_mixes_tokens_within_a_window():
     assert np.all(np.any(np.abs(np.asarray(y_changed - y)) > 1e-6, axis=-1))
 
 
-@pytest.mark.parametrize("size", [(64, 64), (96, 128)])
+@pytest.mark.parametrize("size", [(64, 64), pytest.param((96, 128), marks=pytest.mark.slow)])
 def test_vit_returns_a_stride_16_map_at_any_input_size(size):
     vit = tiny_vit()
     images = jnp.zeros((2, *size, 3))
@@ -164,8 +164,14 @@ def test_default_options_keep_the_plain_vit_parameters():
 @pytest.mark.parametrize(
     "options, present, absent",
     [
-        (dict(layer_scale=1e-5), {"stages/global/ls1": (2, 32), "stages/global/ls2": (2, 32)}, ()),
-        (
+        # Each option compiles its own ViT (4-8 s): half of them run in the slow tier.
+        pytest.param(
+            dict(layer_scale=1e-5),
+            {"stages/global/ls1": (2, 32), "stages/global/ls2": (2, 32)},
+            (),
+            marks=pytest.mark.slow,
+        ),
+        pytest.param(
             dict(mlp="swiglu", mlp_hidden=24, mlp_norm=True),
             {
                 "stages/global/mlp/fc1/kernel": (2, 32, 2, 24),
@@ -174,13 +180,15 @@ def test_default_options_keep_the_plain_vit_parameters():
                 "stages/global/mlp/fc2/kernel": (2, 24, 32),
             },
             (),
+            marks=pytest.mark.slow,
         ),
         (dict(qkv_bias="none"), {"stages/global/attn/qkv/kernel": (2, 32, 3, 4, 8)}, ("stages/global/attn/qkv/bias",)),
         (dict(absolute_position=False, rope="dinov3"), {"patch_embed/kernel": (16, 16, 3, 32)}, ("pos_embed",)),
-        (
+        pytest.param(
             dict(global_attention_every=1, class_token=True, register_tokens=3),
             {"cls_token": (1, 1, 32), "class_pos_embed": (1, 1, 32), "reg_token": (1, 3, 32)},
             (),
+            marks=pytest.mark.slow,
         ),
         (
             dict(lora_rank=2),

@@ -479,6 +479,7 @@ def test_freeze_stages_follows_detectron2_freeze_at():
         frozen_parameter_mask(params, freeze_stages=6)
 
 
+@pytest.mark.slow  # compiles two train steps (about 9 s)
 def test_frozen_stages_get_no_backward_pass():
     """Freezing drops the frozen layers' gradients from the step's program: fewer FLOPs."""
 

@@ -141,7 +141,7 @@ def jax_tree_ones(tree):
     return jax.tree.map(lambda leaf: np.ones(leaf.shape, leaf.dtype), tree)
 
 
-@pytest.mark.parametrize("scan", [True, False])
+@pytest.mark.parametrize("scan", [True, pytest.param(False, marks=pytest.mark.slow)])
 def test_layer_decay_follows_vitdet_block_depth(scan):
     """Depth 4, a global block every 2: blocks 0 and 2 windowed, 1 and 3 global, scanned or unrolled alike."""
     from flax import traverse_util
