@@ -92,6 +92,7 @@ def test_batches_resized_on_the_device_equal_those_resized_on_the_host(data_dir)
         np.testing.assert_allclose(got, want, atol=(0.5 + 1e-2) / min(std))
 
 
+@pytest.mark.slow  # 6 s; the fast tier's resume test reads the same stream twice
 def test_train_is_deterministic_per_seed(data_dir):
     config = make_config(data_dir)
     a = _take(input_pipeline.create_train_iterator(config), 3)

@@ -45,7 +45,12 @@ def _sharded_state(mesh_config, rules=None):
 
 
 @pytest.mark.parametrize(
-    "mesh_config,axis", [(dict(data=4, fsdp=1, model=2), "model"), (dict(data=2, fsdp=4, model=1), "fsdp")]
+    "mesh_config,axis",
+    # Each compiles the train state's initialisation on its mesh (7-10 s): the model axis in the slow tier.
+    [
+        pytest.param(dict(data=4, fsdp=1, model=2), "model", marks=pytest.mark.slow),
+        (dict(data=2, fsdp=4, model=1), "fsdp"),
+    ],
 )
 def test_parameters_and_optimizer_state_are_partitioned(mesh_config, axis):
     state = _sharded_state(mesh_config)

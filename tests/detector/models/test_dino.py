@@ -130,6 +130,7 @@ def test_denoising_query_leaks_only_into_its_own_group(setup, outputs):
         assert np.all(diff > 1e-5), (key, diff)
 
 
+@pytest.mark.slow  # the module's model (the `outputs` fixture) compiles for about 20 s
 def test_matching_outputs_do_not_see_the_denoising_queries(setup, outputs):
     """The matching queries' outputs with denoising queries equal those without any."""
     plain = setup.apply_plain(setup.params, setup.images)

@@ -204,6 +204,7 @@ def test_more_queries_than_proposals_is_a_config_error():
         families.create_model(config, NUM_CLASSES)
 
 
+@pytest.mark.slow  # compiles the RetinaNet's loss (about 10 s); its parts are tested in the fast tier
 def test_retinanet_objective_still_works():
     config = default.get_config()
     assert config.model.name == "retinanet"

@@ -68,7 +68,8 @@ def count_convs(fn, *args) -> int:
     return str(jax.make_jaxpr(fn)(*args)).count("conv_general_dilated")
 
 
-@pytest.mark.parametrize("norm", [pytest.param("group", marks=pytest.mark.slow), "none"])  # group: ~11 s
+@pytest.mark.slow  # two heads' values and gradients: 11-16 s of compiling each
+@pytest.mark.parametrize("norm", ["group", "none"])
 def test_packed_and_level_by_level_heads_share_parameters_outputs_and_gradients(norm):
     def head(pack_levels):
         return RetinaNetHead(num_classes=3, num_anchors=2, num_convs=2, features=8, norm=norm, pack_levels=pack_levels)

@@ -190,7 +190,7 @@ def test_default_options_keep_the_plain_vit_parameters():
             (),
             marks=pytest.mark.slow,
         ),
-        (
+        pytest.param(
             dict(lora_rank=2),
             {
                 "stages/global/attn/qkv/lora_a": (2, 32, 2),
@@ -199,6 +199,7 @@ def test_default_options_keep_the_plain_vit_parameters():
                 "stages/global/mlp/fc2/lora_b": (2, 2, 32),
             },
             (),
+            marks=pytest.mark.slow,
         ),
     ],
     ids=["layer_scale", "swiglu_norm", "no_qkv_bias", "rope_only", "prefix_tokens", "lora"],
@@ -231,6 +232,7 @@ def test_logical_axes_of_the_new_parameters():
     assert params["cls_token"].names == (None, None, "norm")
 
 
+@pytest.mark.slow  # 7 s of compiling
 def test_qv_bias_ignores_the_k_part():
     vit = tiny_vit(qkv_bias="qv")
     params, _, images = init_and_apply(vit)
@@ -283,6 +285,7 @@ def test_rotate_pairs_channels_as_each_layout_does():
     np.testing.assert_array_equal(rotate(x, cos, sin, True), [-1, 0, -3, 2, -5, 4, -7, 6])
 
 
+@pytest.mark.slow  # 7 s of compiling
 def test_rope_with_windows_keeps_the_full_grids_rotation():
     # One 4x4 window covering the whole grid attends exactly as global attention, RoPE included.
     kwargs = dict(absolute_position=False, rope="dinov3", rope_temperature=100.0)
