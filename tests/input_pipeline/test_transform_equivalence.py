@@ -163,6 +163,7 @@ def test_train_transform_resized_on_the_device_matches_the_host(height, width, e
     assert "device" in ways and (("host" in ways) == (max(height, width) > size[0]))
 
 
+@pytest.mark.slow  # 5-7 s of compiling: the slow tier
 def test_a_source_size_larger_than_the_output_moves_shrunk_windows_to_the_device():
     height, width = 900, 300
     image = _decoded(_photo(height, width, seed=11), "jpeg")

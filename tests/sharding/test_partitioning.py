@@ -72,6 +72,7 @@ def test_parameters_and_optimizer_state_are_partitioned(mesh_config, axis):
     assert per_device < 1.15 * total / size
 
 
+@pytest.mark.slow  # 5-7 s of compiling: the slow tier
 def test_data_parallel_rules_replicate_parameters():
     state = _sharded_state(dict(data=8, fsdp=1, model=1))
     for leaf in jax.tree.leaves(state.params):

@@ -44,6 +44,7 @@ def test_group_norm_is_exact_where_the_mean_dwarfs_the_spread(shape, groups):
     assert np.max(np.abs(np.asarray(unshifted) - exact)) > 0.5  # what the shift is for
 
 
+@pytest.mark.slow  # 5-7 s of compiling: the slow tier
 def test_group_norm_gradient_is_the_exact_ones():
     """The shift carries no gradient and changes no output, so the input gradient is GroupNorm's own."""
     x = jax.random.normal(jax.random.key(1), (2, 8, 8, 16))

@@ -29,6 +29,7 @@ def test_window_partition_round_trips_with_padding():
     np.testing.assert_array_equal(_window_unpartition(windows, 3, padded, (5, 7)), x)
 
 
+@pytest.mark.slow  # 5-7 s of compiling: the slow tier
 def test_windowed_block_only_mixes_tokens_within_a_window():
     block = Block(num_heads=2, mlp_hidden=16, window_size=2)
     x = jax.random.normal(jax.random.key(0), (1, 4, 4, 8))
@@ -216,6 +217,7 @@ def test_each_option_changes_the_parameters_and_the_output(options, present, abs
         assert not np.allclose(out, plain, atol=1e-3)
 
 
+@pytest.mark.slow  # 5-7 s of compiling: the slow tier
 def test_logical_axes_of_the_new_parameters():
     vit = tiny_vit(
         global_attention_every=1, class_token=True, layer_scale=0.1, mlp="swiglu", mlp_norm=True, lora_rank=2

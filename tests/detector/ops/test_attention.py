@@ -41,6 +41,7 @@ def test_values_and_gradients_equal_the_plain_form_in_float64(masked):
             np.testing.assert_allclose(a, b, rtol=1e-10, atol=1e-12, err_msg=name)
 
 
+@pytest.mark.slow  # 5-7 s of compiling: the slow tier
 def test_masked_keys_get_no_gradient_and_bfloat16_stays_bfloat16():
     q, k, v, mask = inputs(np.float32, queries=5, keys=6)
     mask[:, :, 5] = False  # the last key is seen by no query

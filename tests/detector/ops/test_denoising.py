@@ -82,6 +82,7 @@ def test_leftover_slots_and_images_without_boxes_are_invalid():
     assert denoising.num_denoising_queries(2, M) == 2 * M and denoising.num_denoising_queries(0, M) == 0
 
 
+@pytest.mark.slow  # 5-7 s of compiling: the slow tier
 def test_an_images_queries_do_not_depend_on_the_rest_of_its_batch():
     *_, together = queries(rng=3)
     boxes, labels, mask = gt()
