@@ -1,7 +1,7 @@
 """COCO AP against wall-clock time for several configs trained one after the other on this machine.
 
   python -m benchmarks.ap_vs_time                                   # configs/default.py vs configs/dino_tiny.py
-  python -m benchmarks.ap_vs_time --configs=default,dino_tiny --eval_every_steps=250
+  python -m benchmarks.ap_vs_time --configs=default,dino_tiny --eval_every_steps=250   # the same steps for both
   python -m benchmarks.ap_vs_time --configs=default --budget_s=60 --override=total_steps=300   # a quick look
 
 Each config runs as `python -m detector.train --config=configs/NAME.py` in a
@@ -32,7 +32,12 @@ from absl import app, flags
 from benchmarks import report
 
 _CONFIGS = flags.DEFINE_list("configs", ["default", "dino_tiny"], "Config names under configs/.")
-_EVAL_EVERY = flags.DEFINE_integer("eval_every_steps", 250, "Evaluate (and stamp a point) every this many steps.")
+_EVAL_EVERY = flags.DEFINE_integer(
+    "eval_every_steps",
+    0,
+    "Evaluate (and stamp a point) every this many steps; 0: as each config says (runs whose batch sizes "
+    "differ then evaluate as often per image seen as their recipes chose, not per step).",
+)
 _BUDGET = flags.DEFINE_float("budget_s", 420.0, "Stop a run still going after this many wall seconds.")
 _OVERRIDES = flags.DEFINE_multi_string(
     "override", [], "KEY=VALUE config overrides for every run, e.g. total_steps=300 (as --config.KEY=VALUE)."
@@ -50,7 +55,7 @@ def run_config(name: str, workdir: str) -> list[dict]:
         "detector.train",
         f"--config=configs/{name}.py",
         f"--workdir={workdir}",
-        f"--config.eval_every_steps={_EVAL_EVERY.value}",
+        *([f"--config.eval_every_steps={_EVAL_EVERY.value}"] if _EVAL_EVERY.value > 0 else []),
         *[f"--config.{override}" for override in _OVERRIDES.value],
     ]
     eval_file = os.path.join(workdir, "eval_metrics.jsonl")

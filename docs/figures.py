@@ -44,7 +44,9 @@ _AP_CONFIGS = flags.DEFINE_list(
     "ap_configs", ["default", "dino_tiny"], "Configs the benchmark trains (configs/NAME.py)."
 )
 _AP_EVAL_EVERY = flags.DEFINE_integer(
-    "ap_eval_every_steps", 150, "Evaluation interval of the benchmark's runs (150: as in docs/performance.md)."
+    "ap_eval_every_steps",
+    0,
+    "Evaluation interval of the benchmark's runs (0: each config's own, as in docs/performance.md).",
 )
 _AP_OUTPUT_DIR = flags.DEFINE_string(
     "ap_output_dir", "benchmark_results", "Where the benchmark run started here writes its JSON."

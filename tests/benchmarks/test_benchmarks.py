@@ -205,20 +205,19 @@ def test_compared_models_have_the_same_parameters():
 
 
 def test_ap_vs_time_stamps_every_evaluation_of_a_run(tmp_path, data_dir):
-    """4 steps at 64 px, an evaluation every 2 steps: 2 points, in time order.
+    """4 steps at 64 px, an evaluation every 2 steps as the config says: 2 points, in time order.
 
     One config: the benchmark's code is the same for every family, and each
     family's training and evaluation are tested end to end elsewhere.
+    Without --eval_every_steps each run keeps its config's own interval.
     """
     from tests.helpers.tiny_config import OVERRIDES
 
-    overrides = {**OVERRIDES, "dataset.data_dir": str(data_dir)}
-    overrides.pop("eval_every_steps")  # the benchmark sets it
+    overrides = {**OVERRIDES, "dataset.data_dir": str(data_dir), "eval_every_steps": 2}
     flags = [f"--override={key}={str(value).replace(' ', '')}" for key, value in overrides.items()]
     result = _run(
         "benchmarks.ap_vs_time",
         "--configs=default",
-        "--eval_every_steps=2",
         f"--workdir_root={tmp_path / 'runs'}",
         "--output_dir",
         str(tmp_path),
