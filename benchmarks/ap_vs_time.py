@@ -55,6 +55,9 @@ def run_config(name: str, workdir: str) -> list[dict]:
         "detector.train",
         f"--config=configs/{name}.py",
         f"--workdir={workdir}",
+        # Every run compiles from nothing: a program a user's earlier run left in the
+        # persistent cache would shorten one config's time and not another's.
+        "--compilation_cache_dir=",
         *([f"--config.eval_every_steps={_EVAL_EVERY.value}"] if _EVAL_EVERY.value > 0 else []),
         *[f"--config.{override}" for override in _OVERRIDES.value],
     ]

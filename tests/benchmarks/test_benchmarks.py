@@ -24,11 +24,11 @@ def _cpu_env() -> dict[str, str]:
     return env
 
 
-def _run(module: str, *args: str) -> subprocess.CompletedProcess:
+def _run(module: str, *args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
     return subprocess.run(
         [sys.executable, "-m", module, *args],
         cwd=REPO_ROOT,
-        env=_cpu_env(),
+        env={**_cpu_env(), **(env or {})},
         capture_output=True,
         text=True,
         timeout=600,
@@ -209,7 +209,9 @@ def test_ap_vs_time_stamps_every_evaluation_of_a_run(tmp_path, data_dir):
 
     One config: the benchmark's code is the same for every family, and each
     family's training and evaluation are tested end to end elsewhere.
-    Without --eval_every_steps each run keeps its config's own interval.
+    Without --eval_every_steps each run keeps its config's own interval. A
+    persistent compilation cache that the environment names is not used: every
+    run compiles from nothing.
     """
     from tests.helpers.tiny_config import OVERRIDES
 
@@ -222,8 +224,11 @@ def test_ap_vs_time_stamps_every_evaluation_of_a_run(tmp_path, data_dir):
         "--output_dir",
         str(tmp_path),
         *flags,
+        env={"JAX_COMPILATION_CACHE_DIR": str(tmp_path / "cache")},
     )
     assert result.returncode == 0, result.stderr[-3000:]
+    assert "compilation cache off" in (tmp_path / "runs" / "default.log").read_text()
+    assert not (tmp_path / "cache").exists()
     with open(tmp_path / "ap_vs_time.json") as f:
         rows = json.load(f)["rows"]
     assert [(row["config"], row["step"]) for row in rows] == [("default", 2), ("default", 4)]
