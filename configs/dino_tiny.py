@@ -13,12 +13,13 @@ per update than per image, and its step costs about its batch (99 ms at 4
 images, 189 at 8, 365 at 16 on a 2-core Intel Xeon). One sitting there,
 `python -m benchmarks.ap_vs_time --configs=dino_tiny --override=...`, AP at
 the last step (3 or 4 evaluations a run) and wall seconds: 16 x 600 steps
-0.428 at 296 s; 8 x 1200 0.507 at 287 s; 4 x 2400 0.560 at 314 s; 4 x 2400
-with 50 queries and 16 denoising pairs 0.513 at 270 s; 4 x 2000 with 2
-decoder layers 0.448 at 239 s. `--configs=default,dino_tiny` in the same
-sitting: this config (4 x 2000) 0.512 at 277 s, the default RetinaNet 0.545
-at 230 s (its programs loaded from an earlier run's compilation cache, about
-7 s less than compiling them).
+0.428 at 296 s; 8 x 1200 0.507 at 287 s; 4 x 2400 0.560 at 314 s; 2 x 4000
+0.460 at 316 s (31 images/s); 4 x 2400 with 50 queries and 16 denoising
+pairs 0.513 at 270 s; 4 x 2000 with 2 decoder layers 0.448 at 239 s.
+`--configs=default,dino_tiny` in the same sitting: this config (4 x 2000)
+0.512 at 277 s, the default RetinaNet 0.545 at 230 s (its programs loaded
+from an earlier run's compilation cache, about 7 s less than compiling
+them).
 
 Its class loss is DEIM's matchability-aware loss (`loss.set_prediction.
 class_loss="mal"`): `python -m benchmarks.ap_vs_time --configs=dino_tiny
