@@ -37,6 +37,7 @@ _EVAL_EVERY = flags.DEFINE_integer(
     0,
     "Evaluate (and stamp a point) every this many steps; 0: as each config says (runs whose batch sizes "
     "differ then evaluate as often per image seen as their recipes chose, not per step).",
+    lower_bound=0,
 )
 _BUDGET = flags.DEFINE_float("budget_s", 420.0, "Stop a run still going after this many wall seconds.")
 _OVERRIDES = flags.DEFINE_multi_string(
