@@ -219,6 +219,11 @@ def dino_model(
     one_to_many_queries more queries, seen by no other, matched one-to-one to
     the ground truth repeated one_to_many_repeats times, so each box gets that
     many positives (H-DETR's COCO recipe: 1500 queries, 6 repeats). 0: off.
+    Distinct queries (DDQ, Zhang et al. 2023): the encoder proposals that
+    overlap a better-scoring one by more than distinct_query_iou (class-
+    agnostic NMS) are chosen only after every distinct one, in training and
+    prediction alike, so each object starts with one query instead of
+    several neighbours (DDQ: 0.8). 0: off, DINO's plain top-N.
     """
     return ml_collections.ConfigDict(
         dict(
@@ -234,6 +239,7 @@ def dino_model(
             denoising_pairs=denoising_pairs,
             one_to_many_queries=one_to_many_queries,
             one_to_many_repeats=one_to_many_repeats,
+            distinct_query_iou=0.0,
             label_noise_ratio=0.5,
             box_noise_scale=1.0,
         )
@@ -375,8 +381,20 @@ def base_config() -> ml_collections.ConfigDict:
         )
     )
 
+    # RetinaNet: the pre_nms_top_k best (anchor, class) scores above
+    # score_threshold, class-aware NMS at iou_threshold, max_detections kept.
+    # DINO: the max_detections best (query, class) scores, no NMS unless
+    # query_nms_iou_threshold > 0 (the reference DINO's nms_iou_threshold;
+    # then class-aware NMS over the pre_nms_top_k best pairs removes the
+    # duplicates a briefly trained set predictor still makes).
     config.postprocess = ml_collections.ConfigDict(
-        dict(pre_nms_top_k=1000, score_threshold=0.05, iou_threshold=0.5, max_detections=100)
+        dict(
+            pre_nms_top_k=1000,
+            score_threshold=0.05,
+            iou_threshold=0.5,
+            max_detections=100,
+            query_nms_iou_threshold=0.0,
+        )
     )
 
     config.optimizer = ml_collections.ConfigDict()

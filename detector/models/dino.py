@@ -46,7 +46,9 @@ import numpy as np
 from detector.models.layers import relu, rematerialized
 from detector.models.vit import Projection, layer_norm
 from detector.ops.attention import dot_product_attention
+from detector.ops.box_ops import cxcywh_to_yxyx
 from detector.ops.deformable_attention import multi_scale_deformable_attention
+from detector.ops.postprocess import non_max_suppression
 
 TOKEN_AXES = ("batch", "tokens", "act_embed")
 HEAD_AXES = ("batch", "tokens", "act_heads", "kv")
@@ -306,14 +308,41 @@ def _class_head(num_classes: int, dtype: Any, name: str) -> Projection:
     )
 
 
-def select_proposals(scores: jax.Array, count: int) -> jax.Array:
+# Distinct selection runs its NMS over this many times `count` of the best
+# proposals (all of them on small inputs): a fixed cost however large the
+# pyramid, where DDQ's NMS over every position grows with its square.
+DISTINCT_CANDIDATES_PER_QUERY = 4
+
+
+def select_proposals(
+    scores: jax.Array, count: int, boxes_cxcywh: jax.Array | None = None, distinct_iou: float = 0.0
+) -> jax.Array:
     """Indices int32 `[B, count]` of each image's `count` highest-scoring proposals, best first.
 
     `scores` `[B, T]` (-inf for invalid proposals) carry no gradient through
-    the choice. The one discontinuous step of the forward pass besides the
-    matching, named so that equivalence tests can hold it fixed.
+    the choice. With `distinct_iou` > 0 (DDQ's distinct query selection,
+    Zhang et al. 2023), proposals whose boxes `boxes_cxcywh` `[B, T, 4]`
+    overlap a better one by more than that IoU (class-agnostic greedy NMS
+    over the `DISTINCT_CANDIDATES_PER_QUERY * count` best) come after every
+    distinct one, so the queries start on different objects rather than
+    on neighbouring positions of one. The one discontinuous step of the
+    forward pass besides the matching, named so that equivalence tests can
+    hold it fixed.
     """
-    return jax.lax.top_k(jax.lax.stop_gradient(scores), count)[1]
+    scores = jax.lax.stop_gradient(scores)
+    if distinct_iou <= 0:
+        return jax.lax.top_k(scores, count)[1]
+    candidates = min(scores.shape[-1], DISTINCT_CANDIDATES_PER_QUERY * count)
+
+    def one_image(image_scores, image_boxes):
+        top_scores, top = jax.lax.top_k(image_scores, candidates)
+        kept, valid = non_max_suppression(cxcywh_to_yxyx(image_boxes[top]), top_scores, distinct_iou, candidates)
+        is_kept = jnp.zeros((candidates,), bool).at[kept].max(valid)
+        # Distinct proposals first, then the suppressed ones, each in score order.
+        rank = jnp.arange(candidates) + candidates * (~is_kept).astype(jnp.int32)
+        return top[jnp.argsort(rank)[:count]]
+
+    return jax.vmap(one_image)(scores, jax.lax.stop_gradient(boxes_cxcywh).astype(jnp.float32))
 
 
 def _gather_queries(x: jax.Array, index: jax.Array) -> jax.Array:
@@ -374,6 +403,7 @@ class Dino(nn.Module):
     num_points: int = 4
     num_queries: int = 900
     num_one_to_many_queries: int = 0
+    distinct_query_iou: float = 0.0
     remat: str = "none"
     dtype: Any = jnp.float32
 
@@ -437,7 +467,7 @@ class Dino(nn.Module):
         )
         scores = jnp.where(jnp.asarray(proposal_valid)[None], jnp.max(proposal_logits, axis=-1), -jnp.inf)
         # [B, N + M], best first: the one-to-one queries take the first N either way.
-        selected = select_proposals(scores, queries + extra)
+        selected = select_proposals(scores, queries + extra, jax.nn.sigmoid(proposal_boxes), self.distinct_query_iou)
         encoder_logits = _gather_queries(proposal_logits, selected[:, :queries])
         selected_boxes_logit = _gather_queries(proposal_boxes, selected)
         encoder_boxes_logit = selected_boxes_logit[:, :queries]

@@ -87,12 +87,17 @@ def _detect_one(
         box_deltas[anchor_idx].astype(jnp.float32), anchors_yxyx[anchor_idx], box_coder_weights
     )
     boxes = box_ops.clip_boxes(boxes, image_height, image_width)
+    return _class_aware_nms(boxes, top_scores, classes, iou_threshold, max_detections)
+
+
+def _class_aware_nms(boxes_yxyx, scores, classes, iou_threshold: float, max_detections: int) -> dict[str, jax.Array]:
+    """One image's candidates `[K, 4]`, `[K]` (-inf: dropped), `[K]` -> the detections dict of `detect`."""
     # Masking the IoU matrix by class equality rather than offsetting boxes
     # per class keeps IoUs exact (large offsets cost float32 precision).
-    keep, valid = non_max_suppression(boxes, top_scores, iou_threshold, max_detections, classes=classes)
+    keep, valid = non_max_suppression(boxes_yxyx, scores, iou_threshold, max_detections, classes=classes)
     return {
-        "boxes": jnp.where(valid[:, None], boxes[keep], 0.0),
-        "scores": jnp.where(valid, top_scores[keep], 0.0),
+        "boxes": jnp.where(valid[:, None], boxes_yxyx[keep], 0.0),
+        "scores": jnp.where(valid, scores[keep], 0.0),
         "classes": jnp.where(valid, classes[keep], 0),
         "valid": valid,
     }
@@ -168,12 +173,17 @@ def detect_from_queries(
     *,
     max_detections: int,
     score_threshold: float = 0.0,
+    nms_iou_threshold: float = 0.0,
+    pre_nms_top_k: int = 1000,
 ) -> dict[str, jax.Array]:
-    """Detections of a set predictor (DETR family): the top scores over queries x classes, no NMS.
+    """Detections of a set predictor (DETR family): the top scores over queries x classes, NMS optional.
 
     Each query may give several detections (one per class), as DINO and
     Deformable DETR evaluate: the `max_detections` highest sigmoid scores
-    of all `N * C` (query, class) pairs.
+    of all `N * C` (query, class) pairs. With `nms_iou_threshold` > 0 (the
+    reference DINO's `nms_iou_threshold` option, off there by default too),
+    the `pre_nms_top_k` best pairs go through class-aware greedy NMS first,
+    which removes the duplicates a briefly trained set predictor still makes.
 
     Args:
         logits: float ``[B, N, C]`` per-class sigmoid logits of N queries.
@@ -181,6 +191,9 @@ def detect_from_queries(
         image_height, image_width: the network input in pixels.
         max_detections: D, static; at most N * C.
         score_threshold: detections scoring at or below it are marked invalid.
+        nms_iou_threshold: 0: no NMS; else a kept detection suppresses the
+            lower-scoring ones of its class whose IoU with it exceeds this.
+        pre_nms_top_k: with NMS, the (query, class) pairs it considers (at most N * C).
 
     Returns:
         dict: boxes float32 ``[B, D, 4]`` yxyx in network-input pixels clipped
@@ -189,10 +202,18 @@ def detect_from_queries(
     """
     logits = jnp.asarray(logits, jnp.float32)
     batch, num_queries, num_classes = logits.shape
-    scores, flat_index = jax.lax.top_k(jax.nn.sigmoid(logits).reshape(batch, num_queries * num_classes), max_detections)
+    pairs = num_queries * num_classes
+    candidates = min(pre_nms_top_k, pairs) if nms_iou_threshold > 0 else max_detections
+    scores, flat_index = jax.lax.top_k(jax.nn.sigmoid(logits).reshape(batch, pairs), candidates)
     query = flat_index // num_classes
     classes = (flat_index % num_classes).astype(jnp.int32)
     boxes = jnp.take_along_axis(box_ops.cxcywh_to_yxyx(jnp.asarray(boxes_cxcywh, jnp.float32)), query[..., None], 1)
     size = jnp.asarray([image_height, image_width, image_height, image_width], jnp.float32)
     boxes = jnp.clip(boxes * size, 0.0, size)
-    return {"boxes": boxes, "scores": scores, "classes": classes, "valid": scores > score_threshold}
+    if nms_iou_threshold <= 0:
+        return {"boxes": boxes, "scores": scores, "classes": classes, "valid": scores > score_threshold}
+
+    scores = jnp.where(scores > score_threshold, scores, -jnp.inf)
+    return jax.vmap(lambda b, s, c: _class_aware_nms(b, s, c, nms_iou_threshold, max_detections))(
+        boxes, scores, classes
+    )

@@ -161,7 +161,13 @@ def artifact_metadata(exported: jax.export.Exported, predictor: Predictor) -> di
         "label_to_category_id": [int(c) for c in info.label_to_category_id],
         "postprocess": {
             key: float(postprocess[key]) if key.endswith("threshold") else int(postprocess[key])
-            for key in ("pre_nms_top_k", "score_threshold", "iou_threshold", "max_detections")
+            for key in (
+                "pre_nms_top_k",
+                "score_threshold",
+                "iou_threshold",
+                "max_detections",
+                "query_nms_iou_threshold",
+            )
         },
     }
 

@@ -213,7 +213,7 @@ def fixed_dino_decisions():
     """
     real_select, real_match = dino.select_proposals, matching.match_batch
 
-    def first_valid_proposals(scores, count):
+    def first_valid_proposals(scores, count, *distinct):
         rank = jnp.where(jnp.isfinite(scores), -jnp.arange(scores.shape[-1], dtype=jnp.float32), -jnp.inf)
         return jax.lax.top_k(rank, count)[1]
 

@@ -54,13 +54,16 @@ DINO_OVERRIDES = {
     "model.dino.num_queries": 32,
     "model.dino.denoising_pairs": 16,  # 32 query slots for the 8 box slots
     # Every training option on: the hybrid branch (32 + 48 of the 85
-    # proposals; 6 copies of the 8 box slots), a quality-aware class loss and
-    # mosaics (every example of the run: a restart reads mosaics too).
+    # proposals; 6 copies of the 8 box slots), a quality-aware class loss,
+    # mosaics (every example of the run: a restart reads mosaics too),
+    # distinct query selection and NMS on the predictions.
     "model.dino.one_to_many_queries": 48,
     "model.dino.one_to_many_repeats": 6,
+    "model.dino.distinct_query_iou": 0.8,
     "loss.set_prediction.class_loss": "mal",
     "input.mosaic_probability": 1.0,
     "input.mosaic_until": 1.0,
+    "postprocess.query_nms_iou_threshold": 0.7,
 }
 
 

@@ -53,6 +53,10 @@ def create(config, num_classes: int, *, data_parallel_devices: int = 1) -> Dino:
             f"inputs give only {selectable} encoder proposals on levels {dino.min_level}..{dino.max_level}; "
             "use fewer queries or larger images"
         )
+    if not 0.0 <= dino.distinct_query_iou < 1.0:
+        raise ConfigError(
+            f"model.dino.distinct_query_iou={dino.distinct_query_iou!r}; use 0 (off) or an IoU in (0, 1) (DDQ: 0.8)"
+        )
     backbone = retinanet.create_backbone(model_config, dtype)
     levels = dict(min_level=dino.min_level, max_level=dino.max_level, dtype=dtype)
     if model_config.backbone.name == "resnet":
@@ -71,6 +75,7 @@ def create(config, num_classes: int, *, data_parallel_devices: int = 1) -> Dino:
         num_points=dino.num_points,
         num_queries=dino.num_queries,
         num_one_to_many_queries=one_to_many,
+        distinct_query_iou=dino.distinct_query_iou,
         remat=model_config.remat,
         dtype=dtype,
     )
@@ -114,6 +119,12 @@ def objective(config, model: nn.Module, num_classes: int) -> Objective:
         raise ConfigError(
             f"postprocess.max_detections={max_detections} exceeds model.dino.num_queries x classes = "
             f"{dino.num_queries} x {num_classes}; lower it or use more queries"
+        )
+    query_nms = config.postprocess.query_nms_iou_threshold
+    if not 0.0 <= query_nms < 1.0:
+        raise ConfigError(
+            f"postprocess.query_nms_iou_threshold={query_nms!r}; use 0 (no NMS, DINO's own output) or an IoU in "
+            "(0, 1), e.g. 0.7"
         )
     if not isinstance(pairs, int) or isinstance(pairs, bool) or pairs < 0:
         raise ConfigError(f"model.dino.denoising_pairs={pairs!r}; use a whole number >= 0 (0: no denoising)")
@@ -233,6 +244,8 @@ def objective(config, model: nn.Module, num_classes: int) -> Objective:
             image_size[1],
             max_detections=post.max_detections,
             score_threshold=post.score_threshold,
+            nms_iou_threshold=query_nms,
+            pre_nms_top_k=post.pre_nms_top_k,
         )
 
     return Objective(loss=loss, detect=detect, outputs_per_image=f"{dino.num_queries} queries")

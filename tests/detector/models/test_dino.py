@@ -262,6 +262,43 @@ def test_proposal_selection_sharded_over_the_mesh_gives_one_devices_choice():
     np.testing.assert_array_equal(expected, np.argsort(-scores, axis=1, kind="stable")[:, :20])
 
 
+def _distinct_reference(scores, boxes_cxcywh, count, iou_threshold):
+    """DDQ's selection in numpy for one image: greedy class-agnostic NMS over the best candidates in score
+    order, the distinct ones first, then the suppressed ones, each in score order."""
+    candidates = np.argsort(-scores, kind="stable")[: min(len(scores), dino.DISTINCT_CANDIDATES_PER_QUERY * count)]
+    cx, cy, w, h = boxes_cxcywh.astype(np.float64).T
+    x0, y0, x1, y1 = cx - w / 2, cy - h / 2, cx + w / 2, cy + h / 2
+    kept, suppressed = [], []
+    for i in candidates:
+        overlap = False
+        for k in kept:
+            inter = max(0.0, min(x1[i], x1[k]) - max(x0[i], x0[k])) * max(0.0, min(y1[i], y1[k]) - max(y0[i], y0[k]))
+            overlap |= inter / (w[i] * h[i] + w[k] * h[k] - inter) > iou_threshold
+        (suppressed if overlap or not np.isfinite(scores[i]) else kept).append(i)
+    return np.asarray((kept + suppressed)[:count])
+
+
+def test_distinct_proposal_selection_matches_numpy_nms():
+    """Proposals in clusters of near-copies (and invalid ones): distinct boxes first, as a numpy greedy NMS
+    gives them; off, the plain top-k."""
+    rng = np.random.default_rng(5)
+    num_proposals, count = 60, 12
+    centres = rng.uniform(0.2, 0.8, (2, 8, 2))[:, rng.integers(0, 8, num_proposals)]
+    boxes = np.concatenate([centres + rng.normal(0, 0.005, centres.shape), np.full_like(centres, 0.2)], -1)
+    boxes = boxes.astype(np.float32)
+    scores = rng.normal(size=(2, num_proposals)).astype(np.float32)
+    scores[:, ::9] = -np.inf
+    select = jax.jit(dino.select_proposals, static_argnums=(1, 3))
+    got = np.asarray(select(scores, count, boxes, 0.6))
+    plain = np.argsort(-scores, axis=1, kind="stable")[:, :count]
+    np.testing.assert_array_equal(np.asarray(select(scores, count, boxes, 0.0)), plain)
+    for b in range(2):
+        np.testing.assert_array_equal(got[b], _distinct_reference(scores[b], boxes[b], count, 0.6))
+        assert len(set(got[b].tolist())) == count
+    # 8 clusters for 12 queries: the first 8 are one per cluster, so the choice differs from the plain top-k.
+    assert not np.array_equal(got, plain)
+
+
 def test_map_position_embedding_matches_the_formula():
     """Token i * W + j: the y half embeds 2 pi (i + 0.5) / H, the x half 2 pi (j + 0.5) / W."""
     height, width, dim = 3, 5, 16

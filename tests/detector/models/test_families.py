@@ -17,7 +17,7 @@ from detector.errors import ConfigError
 from detector.models import families
 from detector.models.families import dino as dino_family
 from detector.ops import images as images_lib
-from detector.ops import losses, matching
+from detector.ops import losses, matching, postprocess
 from input_pipeline import batch as batch_lib
 
 NUM_CLASSES = 4
@@ -177,6 +177,53 @@ def test_dino_detect_shapes_and_boxes_in_the_image(dino):
     assert np.all(np.diff(np.asarray(out["scores"]), axis=-1) <= 0)
     classes = np.asarray(out["classes"])
     assert classes.min() >= 0 and classes.max() < NUM_CLASSES
+
+
+def test_dino_detect_applies_the_configured_query_nms_and_distinct_selection(dino):
+    """postprocess.query_nms_iou_threshold reaches detect as `detect_from_queries`' NMS over pre_nms_top_k
+    pairs; model.dino.distinct_query_iou reaches the model (the same parameters serve it)."""
+    config = dino_config()
+    config.postprocess.query_nms_iou_threshold = 0.3
+    config.postprocess.pre_nms_top_k = 50
+    config.postprocess.score_threshold = 0.0
+    config.model.dino.distinct_query_iou = 0.8
+    model = families.create_model(config, NUM_CLASSES)
+    assert model.distinct_query_iou == 0.8
+    objective = families.objective(config, model, NUM_CLASSES)
+    batch = make_batch()
+    # Every query's box grown to most of the image, so that queries overlap and NMS has work.
+    params = jax.tree.map(lambda x: x, dino.params)
+    params["box_head"]["layer2"]["bias"] = jnp.asarray([0.0, 0.0, 6.0, 6.0])
+    got = jax.jit(objective.detect)(params, batch["image"], batch["image_hw"])
+    images = images_lib.normalize_images(batch["image"], batch["image_hw"], config.input.mean_rgb, config.input.std_rgb)
+    outputs = model.apply({"params": params}, images)
+    want = postprocess.detect_from_queries(
+        outputs["logits"][-1],
+        outputs["boxes"][-1],
+        IMAGE,
+        IMAGE,
+        max_detections=config.postprocess.max_detections,
+        score_threshold=0.0,
+        nms_iou_threshold=0.3,
+        pre_nms_top_k=50,
+    )
+    for key in want:
+        np.testing.assert_allclose(got[key], want[key], rtol=1e-5, atol=1e-4, err_msg=key)
+    plain = jax.jit(dino.objective.detect)(params, batch["image"], batch["image_hw"])
+    assert np.asarray(plain["valid"]).all()
+    # Overlapping boxes of one class suppress each other: fewer valid detections than the plain top-20.
+    assert 0 < np.asarray(got["valid"]).sum() < np.asarray(plain["valid"]).sum()
+
+
+def test_out_of_range_query_nms_and_distinct_iou_are_config_errors():
+    config = dino_config()
+    config.postprocess.query_nms_iou_threshold = 1.0
+    with pytest.raises(ConfigError, match=r"postprocess\.query_nms_iou_threshold=1\.0; use 0"):
+        families.objective(config, families.create_model(config, NUM_CLASSES), NUM_CLASSES)
+    config = dino_config()
+    config.model.dino.distinct_query_iou = -0.5
+    with pytest.raises(ConfigError, match=r"model\.dino\.distinct_query_iou=-0\.5; use 0"):
+        families.create_model(config, NUM_CLASSES)
 
 
 def test_normalized_cxcywh():

@@ -189,7 +189,8 @@ def _detect_from_queries_reference(logits, boxes_cxcywh, height, width, max_dete
 
 
 _detect_from_queries = jax.jit(
-    postprocess.detect_from_queries, static_argnames=("image_height", "image_width", "max_detections")
+    postprocess.detect_from_queries,
+    static_argnames=("image_height", "image_width", "max_detections", "nms_iou_threshold", "pre_nms_top_k"),
 )
 
 
@@ -235,3 +236,53 @@ def test_detect_from_queries_one_query_can_give_several_classes_and_threshold_is
     # cx 0.25, cy 0.5, w 0.5, h 0.25 of 40 x 100 -> y 15..25, x 0..50.
     np.testing.assert_allclose(out["boxes"][0, :2], [[15.0, 0.0, 25.0, 50.0]] * 2, atol=1e-4)
     np.testing.assert_allclose(out["boxes"][0, 2], [0.0, 0.0, 40.0, 100.0], atol=1e-4)
+
+
+def _numpy_iou(a, b):
+    """IoU of yxyx boxes `[4]` and `[K, 4]`."""
+    inter = np.clip(np.minimum(a[2], b[:, 2]) - np.maximum(a[0], b[:, 0]), 0, None) * np.clip(
+        np.minimum(a[3], b[:, 3]) - np.maximum(a[1], b[:, 1]), 0, None
+    )
+    area = lambda x: (x[..., 2] - x[..., 0]) * (x[..., 3] - x[..., 1])  # noqa: E731
+    return inter / (area(a) + area(b) - inter)
+
+
+@pytest.mark.parametrize("iou_threshold,pre_nms_top_k", [(0.5, 1000), (0.7, 12)])
+def test_detect_from_queries_with_nms_matches_numpy(iou_threshold, pre_nms_top_k):
+    """Queries in clusters of near-duplicates: the pre_nms_top_k best (query, class) pairs above the score
+    threshold, then greedy NMS within each class, in score order, the first max_detections kept."""
+    rng = np.random.default_rng(3)
+    num_queries, num_classes, height, width, max_detections = 24, 3, 48, 80, 10
+    centres = rng.uniform(0.2, 0.8, (2, 4, 2))[:, rng.integers(0, 4, num_queries)]
+    boxes = np.concatenate([centres + rng.normal(0, 0.01, centres.shape), np.full_like(centres, 0.3)], -1)
+    boxes = boxes.astype(np.float32)
+    logits = rng.normal(0.0, 2.0, (2, num_queries, num_classes)).astype(np.float32)
+    out = _detect_from_queries(
+        logits,
+        boxes,
+        image_height=height,
+        image_width=width,
+        max_detections=max_detections,
+        score_threshold=0.2,
+        nms_iou_threshold=iou_threshold,
+        pre_nms_top_k=pre_nms_top_k,
+    )
+    assert out["boxes"].shape == (2, max_detections, 4) and out["valid"].shape == (2, max_detections)
+    plain = _detect_from_queries_reference(logits, boxes, height, width, num_queries * num_classes, 0.2)
+    suppressed_some = False
+    for b in range(2):
+        candidates = np.flatnonzero(plain["valid"][b][:pre_nms_top_k])
+        kept = []
+        for i in candidates:
+            same_class = [k for k in kept if plain["classes"][b][k] == plain["classes"][b][i]]
+            if not same_class or _numpy_iou(plain["boxes"][b][i], plain["boxes"][b][same_class]).max() <= iou_threshold:
+                kept.append(i)
+        suppressed_some |= len(kept) < len(candidates)
+        kept = kept[:max_detections]
+        n = len(kept)
+        np.testing.assert_array_equal(out["valid"][b], np.arange(max_detections) < n)
+        np.testing.assert_allclose(out["scores"][b, :n], plain["scores"][b][kept], rtol=1e-6)
+        np.testing.assert_array_equal(out["classes"][b, :n], plain["classes"][b][kept])
+        np.testing.assert_allclose(out["boxes"][b, :n], plain["boxes"][b][kept], rtol=1e-5, atol=1e-4)
+        np.testing.assert_array_equal(out["scores"][b, n:], 0.0)
+    assert suppressed_some  # the case exercises the suppression
