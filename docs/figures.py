@@ -338,18 +338,23 @@ def draw_ap_vs_time(json_path: pathlib.Path, path: pathlib.Path) -> pathlib.Path
         raise SystemExit(f"error: {json_path} holds no evaluations; run the benchmark longer")
     fig = Figure(figsize=FIGSIZE, dpi=DPI, facecolor="white")
     ax = fig.add_axes((0.08, 0.1, 0.88, 0.78))
-    for i, (config, points) in enumerate(series.items()):
+    for points in series.values():
         points.sort()
+    # End labels stacked by final AP, the best above its point and the rest below theirs, so
+    # runs that end close together keep their labels apart.
+    by_final_ap = sorted(series, key=lambda config: -series[config][-1][1])
+    for i, (config, points) in enumerate(series.items()):
         seconds, ap, steps = zip(*points)
         color = f"C{i}"
         ax.plot(seconds, ap, marker="o", markersize=7, linewidth=2.2, color=color, label=f"configs/{config}.py")
+        rank = by_final_ap.index(config)
         ax.annotate(
-            f"AP {ap[-1]:.3f}\n(step {steps[-1]})",
+            f"AP {ap[-1]:.3f} (step {steps[-1]})",
             xy=(seconds[-1], ap[-1]),
-            xytext=(8, 0),
+            xytext=(8, 8 if rank == 0 else -8 - 18 * (rank - 1)),
             textcoords="offset points",
             fontsize=12,
-            va="center",
+            va="bottom" if rank == 0 else "top",
             color=color,
         )
     machine = record.get("machine", {})
@@ -358,9 +363,9 @@ def draw_ap_vs_time(json_path: pathlib.Path, path: pathlib.Path) -> pathlib.Path
     ax.set_xlabel("seconds from the command's start (compiling and evaluations included)", fontsize=13)
     ax.set_ylabel("COCO AP@[.5:.95], validation split", fontsize=13)
     ax.tick_params(labelsize=12)
-    ax.set_ylim(bottom=0)
-    # Room on the right for the last points' labels.
-    ax.set_xlim(0, 1.15 * max(seconds for points in series.values() for seconds, _, _ in points))
+    # Room above and on the right for the last points' labels.
+    ax.set_ylim(0, 1.12 * max(ap for points in series.values() for _, ap, _ in points))
+    ax.set_xlim(0, 1.3 * max(seconds for points in series.values() for seconds, _, _ in points))
     ax.grid(alpha=0.3)
     ax.legend(fontsize=13, loc="lower right")
     path.parent.mkdir(parents=True, exist_ok=True)
