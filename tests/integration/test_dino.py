@@ -58,8 +58,9 @@ def test_dino_trains_and_evaluates_in_the_loop(dino_run):
 
 
 def test_dino_run_stopped_after_step_1_resumes_to_the_uninterrupted_state(dino_run, data_dir, tmp_path, monkeypatch):
-    """Denoising noise, the hybrid branch and its matching, the quality-aware loss, mosaics: all functions of the
-    checkpoint and the step, so a restart ends bit for bit where the uninterrupted run did."""
+    """Denoising noise, the hybrid branch and its matching, the quality-aware loss, mosaics, distinct query
+    selection: all functions of the checkpoint and the step, so a restart ends bit for bit where the
+    uninterrupted run did."""
     config = make_dino_config(data_dir, **{**STEPS, "checkpoint_every_steps": 1})
     real_create_train_iterator = input_pipeline.create_train_iterator
     starts = []
