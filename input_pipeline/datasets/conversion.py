@@ -48,6 +48,7 @@ import os
 import secrets
 import selectors
 import shutil
+import signal
 import subprocess
 import sys
 import tempfile
@@ -246,20 +247,22 @@ def _run_workers(
                 env=env,
                 text=True,
             )
+            selector.register(process.stdout, selectors.EVENT_READ, len(processes))
             processes.append(process)
             logs.append(log)
-            selector.register(process.stdout, selectors.EVENT_READ, start)
         while selector.get_map():
             for key, _ in selector.select():
                 line = key.fileobj.readline()
-                if not line:
-                    selector.unregister(key.fileobj)
+                if line:
+                    done[key.data] = int(line)
+                    report.update(sum(done.values()))
                     continue
-                done[key.data] = int(line)
-                report.update(sum(done.values()))
-        for process, log, (start, stop) in zip(processes, logs, ranges):
-            if process.wait() != 0:
-                raise _worker_error(process.returncode, log, start, stop)
+                selector.unregister(key.fileobj)
+                # A worker that failed stops the conversion now (the others are
+                # killed below), not after the others finished their shares.
+                index = key.data
+                if processes[index].wait() != 0:
+                    raise _worker_error(processes[index].returncode, logs[index], *ranges[index], len(ranges))
     finally:
         for process in processes:
             if process.poll() is None:
@@ -271,13 +274,40 @@ def _run_workers(
         selector.close()
 
 
-def _worker_error(returncode: int, log, start: int, stop: int) -> Exception:
+def _worker_error(returncode: int, log, start: int, stop: int, workers: int) -> Exception:
+    """What a failed worker means for the user: its DatasetError, a signal that ended it, or a crash.
+
+    A worker ended by a signal left no message of its own: SIGKILL is what
+    the kernel's out-of-memory killer sends, so fewer workers (each holds
+    its share of images in flight) is the fix named.
+    """
+    images = f"images {start}..{stop - 1}"
     log.seek(0)
     lines = [line.rstrip() for line in log.read().splitlines() if line.strip()]
     if returncode == 3 and lines and lines[-1].startswith("error: "):  # the worker's DatasetError
         return DatasetError(lines[-1][len("error: ") :])
+    if returncode < 0:
+        number = -returncode
+        try:
+            name = signal.Signals(number).name
+        except ValueError:
+            name = f"signal {number}"
+        if number == signal.SIGKILL:
+            fix = (
+                f"with fewer workers, e.g. --config.dataset.prepare_workers={workers // 2} ({workers} ran at once)"
+                if workers > 1
+                else "with more memory free"
+            )
+            return DatasetError(
+                f"the conversion worker of {images} was killed by {name} (signal {number}), most likely by the "
+                f"system for running out of memory; run the same command again {fix}"
+            )
+        return DatasetError(
+            f"the conversion worker of {images} was stopped by {name} (signal {number}) from outside; "
+            "run the same command again to convert the split from the start"
+        )
     tail = "\n".join(lines[-20:])
-    return RuntimeError(f"conversion worker of images {start}..{stop - 1} failed (exit {returncode}):\n{tail}")
+    return RuntimeError(f"conversion worker of {images} failed (exit {returncode}):\n{tail}")
 
 
 def _convert_on_hosts(

@@ -5,8 +5,10 @@ import contextlib
 import io
 import json
 import os
+import signal
 import subprocess
 import threading
+import time
 
 import numpy as np
 import pytest
@@ -267,3 +269,78 @@ def test_a_corrupted_shard_stops_training_with_the_one_line_dataset_error(tmp_pa
             next(batches)
     message = str(error.value)
     assert message.startswith(f"prepared split {split.directory} cannot be read (") and "\n" not in message
+
+
+def _conversion_workers() -> dict[int, int]:
+    """{first image: process id} of this process's running conversion workers."""
+    found = {}
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat") as f:
+                parent = int(f.read().rsplit(")", 1)[1].split()[1])
+            with open(f"/proc/{entry}/cmdline", "rb") as f:
+                arguments = f.read().decode().split("\0")
+        except (OSError, IndexError, ValueError):
+            continue  # gone meanwhile
+        if parent == os.getpid() and "input_pipeline.datasets.conversion_worker" in arguments:
+            found[json.loads(arguments[-2])["start"]] = int(entry)
+    return found
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc"), reason="finds the workers through /proc")
+def test_a_worker_killed_by_the_system_is_one_line_and_the_same_call_then_converts(folder, tmp_path, monkeypatch):
+    """kill -9 of a real conversion worker (what the out-of-memory killer sends): at once a DatasetError naming
+    the worker's images, the signal, the likely cause and fewer workers; the other worker stopped, nothing left
+    behind; the same call again converts the split."""
+    monkeypatch.setattr(conversion, "_MIN_IMAGES_PER_WORKER", 1)
+    json_path, image_dir = folder
+    images = tmp_path / "images"
+    images.mkdir()
+    names = sorted(os.listdir(image_dir))
+    # The first and last images are named pipes nobody writes: each worker (images 0..10 and 11..22)
+    # blocks reading one of them, alive until killed.
+    blocked = (names[0], names[-1])
+    for name in names:
+        if name in blocked:
+            os.mkfifo(images / name)
+        else:
+            os.symlink(os.path.join(image_dir, name), images / name)
+    directory = tmp_path / "prepared" / "train"
+    outcome = {}
+
+    def convert():
+        try:
+            outcome["split"] = _convert((json_path, str(images)), directory, 2)
+        except Exception as error:  # noqa: BLE001  examined below
+            outcome["error"] = error
+
+    converting = threading.Thread(target=convert)
+    converting.start()
+    try:
+        deadline = time.monotonic() + 60
+        while len(workers := _conversion_workers()) < 2 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert sorted(workers) == [0, 11], workers
+        os.kill(workers[11], signal.SIGKILL)
+        converting.join(60)
+    finally:
+        if converting.is_alive():  # never leave the suite waiting on a blocked worker
+            for pid in _conversion_workers().values():
+                os.kill(pid, signal.SIGKILL)
+            converting.join(60)
+    error = outcome.get("error")
+    assert isinstance(error, DatasetError), outcome
+    message = str(error)
+    assert "\n" not in message
+    assert message.startswith("the conversion worker of images 11..22 was killed by SIGKILL (signal 9)"), message
+    assert "out of memory" in message and "--config.dataset.prepare_workers=1 (2 ran at once)" in message
+    assert os.listdir(tmp_path / "prepared") == []  # no temporary directory left
+    assert _conversion_workers() == {}  # the blocked other worker was stopped, not waited for
+
+    for name in blocked:
+        os.remove(images / name)
+        os.symlink(os.path.join(image_dir, name), images / name)
+    split = _convert((json_path, str(images)), directory, 2)
+    assert split.num_records == 22 and split.counts["missing_image_file"] == 1
