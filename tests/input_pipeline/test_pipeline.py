@@ -1,7 +1,10 @@
 """Train/eval iterators, COCO ground truth and configuration errors."""
 
 import collections
+import os
 import re
+import subprocess
+import sys
 
 import numpy as np
 import pytest
@@ -10,6 +13,7 @@ import input_pipeline
 import sharding
 from input_pipeline import pipeline
 from input_pipeline.datasets import synthetic_shapes as ss
+from tests.helpers import REPO_ROOT
 from tests.helpers.pipeline_config import MAX_BOXES, N_EVAL, N_TRAIN, NET, SIZE, make_config
 
 
@@ -310,3 +314,47 @@ def test_mosaic_settings_out_of_range_are_one_error(data_dir, key):
     )
     with pytest.raises(input_pipeline.DatasetError, match=rf"input\.{key} must be in \[0, 1\], got 1.5"):
         pipeline.train_dataset(config)
+
+
+_EVAL_PASS = """
+import pathlib, sys
+import numpy as np
+import input_pipeline
+from tests.helpers.coco_folders import write_folder
+from tests.helpers.pipeline_config import make_config
+
+root = pathlib.Path(sys.argv[1])
+json_path, image_dir, _ = write_folder(root, "val", 100, crowd_every=0)
+config = make_config(
+    root / "data",
+    global_batch_size=32,
+    **{
+        "dataset.name": "coco_json",
+        "dataset.train_json": str(json_path),
+        "dataset.train_images": str(image_dir),
+        "dataset.eval_json": str(json_path),
+        "dataset.eval_images": str(image_dir),
+        "dataset.cache_dir": str(root / "prepared"),
+    },
+)
+batches, num_batches, counts = input_pipeline.create_eval_iterator(config)
+masks = [b["example_mask"] for b in batches]
+print(num_batches, int(np.sum(masks)), counts.counts["decode_failed"])
+"""
+
+
+def test_padding_an_eval_pass_logs_no_tensorflow_warning(tmp_path):
+    """100 validation images at batch 32: 28 padding slots, none of which reaches the record parser (TensorFlow
+    logs every failed op at its default log level, one parse warning per slot per evaluation)."""
+    result = subprocess.run(
+        [sys.executable, "-c", _EVAL_PASS, str(tmp_path)],
+        cwd=REPO_ROOT,
+        env={**os.environ, "TF_CPP_MIN_LOG_LEVEL": "0", "PYTHONPATH": str(REPO_ROOT)},
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert result.stdout.split() == ["4", "100", "0"]  # 4 batches, every image once, no slot counted as failed
+    assert "OP_REQUIRES failed" not in result.stderr, result.stderr[-3000:]
+    assert "is required but could not be found" not in result.stderr
