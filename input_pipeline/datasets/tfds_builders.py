@@ -2,10 +2,14 @@
 
 from __future__ import annotations
 
+import errno
+import glob
 import os
+import shutil
 
 import jax
 import tensorflow_datasets as tfds
+from absl import logging
 from etils import epath
 from jax.experimental import multihost_utils
 
@@ -41,7 +45,7 @@ def _synthetic_builder(config, data_dir: str, sync: bool):
         with file_lock.FileLock(lock_path, wait=True, description=f"generating synthetic_shapes/{name}"):
             builder = make()  # Opened again: the holder we waited for may have generated it.
             if not builder.is_prepared():
-                builder.download_and_prepare(download_config=download_config)
+                _generate(builder, download_config, data_dir, name)
         return builder
 
     if sync and jax.process_count() > 1:
@@ -52,6 +56,54 @@ def _synthetic_builder(config, data_dir: str, sync: bool):
     # 0's files. Where data_dir is not shared between hosts, generation is
     # deterministic, so a local copy is identical to process 0's.
     return generate_once()
+
+
+_FULL_DISK = (errno.ENOSPC, errno.EDQUOT)
+
+
+def _full_disk_cause(error: BaseException) -> str | None:
+    """The reason "No space left on device" (or the quota's) when `error` or its causes report it, else None.
+
+    TFDS wraps TensorFlow's ResourceExhaustedError from a failed write in a
+    RuntimeError, so the reason can sit anywhere in the chain, as an errno or
+    only as text.
+    """
+    seen = set()
+    while error is not None and id(error) not in seen:
+        seen.add(id(error))
+        if isinstance(error, OSError) and error.errno in _FULL_DISK:
+            return os.strerror(error.errno)
+        for code in _FULL_DISK:
+            if os.strerror(code) in str(error):
+                return os.strerror(code)
+        error = error.__cause__ or error.__context__
+    return None
+
+
+def _generate(builder: tfds.core.DatasetBuilder, download_config, data_dir: str, name: str) -> None:
+    """Generates synthetic_shapes in `data_dir`; a full disk becomes a DatasetError, with TFDS's partial copy removed.
+
+    TFDS writes into a directory named `incomplete.*` beside the version's and
+    renames it into place at the end; a failure leaves it behind, and every
+    later attempt writes another beside it.
+    """
+    logging.info("generating the embedded dataset synthetic_shapes/%s in %s (once: later runs read it)", name, data_dir)
+    # TFDS's progress bars leave their line unfinished when generation fails,
+    # and the one-line error would start in the middle of it.
+    tfds.display_progress_bar(False)
+    try:
+        builder.download_and_prepare(download_config=download_config)
+    except Exception as error:
+        cause = _full_disk_cause(error)
+        if cause is None:
+            raise
+        config_dir = os.path.dirname(os.fspath(builder.data_dir))
+        for partial in glob.glob(os.path.join(glob.escape(config_dir), "*incomplete*")):
+            shutil.rmtree(partial, ignore_errors=True)
+        raise DatasetError(
+            f"cannot generate the embedded dataset synthetic_shapes/{name} in {data_dir} ({cause}); free space "
+            "there or point --config.dataset.data_dir (or $DETECTOR_DATA_DIR) at a larger disk"
+        ) from error
 
 
 def get_builder(config, *, sync: bool = True) -> tfds.core.DatasetBuilder:
