@@ -25,6 +25,13 @@ def _step_of(line: str) -> int | None:
         return None
 
 
+def _rewrite(path: epath.Path, lines: list[str]) -> None:
+    """Replaces `path`'s content by `lines`; atomic: a kill leaves the old file or the new one."""
+    temporary = path.with_name(path.name + ".tmp")
+    temporary.write_text("".join(line + "\n" for line in lines))
+    temporary.replace(path)
+
+
 def _json_value(value: float) -> float | None:
     value = float(value)
     return value if math.isfinite(value) else None
@@ -80,14 +87,24 @@ class MetricWriter:
                     len(lines) - len(kept),
                     step,
                 )
-                temporary = path.with_name(path.name + ".tmp")
-                temporary.write_text("".join(line + "\n" for line in kept))
-                temporary.replace(path)  # atomic: a second kill leaves the old file or the new one
+                _rewrite(path, kept)
 
     def write_train(self, step: int, metrics: Mapping[str, float]) -> None:
         self._write(TRAIN_METRICS_FILE, "train", step, metrics)
 
+    def eval_steps(self) -> set[int]:
+        """The steps eval_metrics.jsonl holds an evaluation of (empty on the processes that write nothing)."""
+        path = self._workdir / EVAL_METRICS_FILE
+        if not self._enabled or not path.exists():
+            return set()
+        return {step for step in map(_step_of, path.read_text().splitlines()) if step is not None}
+
     def write_eval(self, step: int, metrics: Mapping[str, float]) -> None:
+        """Appends the evaluation of `step`, replacing an earlier one of the same step (a finished run evaluated
+        again), so the file holds each evaluated step once."""
+        if step in self.eval_steps():
+            path = self._workdir / EVAL_METRICS_FILE
+            _rewrite(path, [line for line in path.read_text().splitlines() if line.strip() and _step_of(line) != step])
         self._write(EVAL_METRICS_FILE, "eval", step, metrics)
 
     def write_images(self, step: int, images: Mapping[str, np.ndarray]) -> None:

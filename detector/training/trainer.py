@@ -14,9 +14,11 @@ from typing import Any
 
 import jax
 import ml_collections
+import numpy as np
 import optax
 from absl import logging
 from etils import epath
+from jax.experimental import multihost_utils
 
 import input_pipeline
 import sharding
@@ -248,7 +250,21 @@ def _train_loop(
             checkpointing.save(manager, step, state, {"step": step, "input_position": train_iter.position})
             saved_step = step
 
+        if _evaluates_restored_step(config, start_step, writer):
+            # A finished run evaluates its last step again; a resumed one, the
+            # step it resumes from when its score never landed (the run was
+            # killed while scoring it in the background). Any earlier
+            # evaluation was recorded before a later checkpoint was written.
+            logging.info("evaluating step %d, the checkpoint this run starts from", start_step)
+            try:
+                last_metrics = evaluate(start_step, evaluated_params(state), watch.stop_requested) or last_metrics
+            except EvaluationInterrupted as interrupted:
+                stopped_early = True
+                _log_preemption_stop(start_step, total_steps, cause=interrupted)
+
         for step in range(start_step + 1, total_steps + 1):
+            if stopped_early:
+                break
             wait_start = time.perf_counter()
             batch = input_pipeline.to_global_batch(next(train_iter), mesh, batch_axes)
             window.add_input_wait(time.perf_counter() - wait_start)
@@ -268,6 +284,12 @@ def _train_loop(
                 window.restart()
                 last_metrics = evaluate.record_finished(wait=False) or last_metrics
             if step % config.checkpoint_every_steps == 0 or last:
+                if evaluate.pending_step is not None and not stopped_early:
+                    # A checkpoint past an evaluation whose score is not in
+                    # would let a killed run resume beyond it and never score
+                    # it. (A preemption stop saves first: within the grace
+                    # period the checkpoint matters more.)
+                    last_metrics = evaluate.record_finished(wait=True) or last_metrics
                 save_checkpoint(step)
             if stopped_early:
                 _log_preemption_stop(step, total_steps)
@@ -286,13 +308,6 @@ def _train_loop(
                     break
                 window.exclude(time.perf_counter() - eval_start)  # eval time is not training throughput
 
-        if start_step >= total_steps:
-            logging.info("workdir already holds a checkpoint at step %d >= total_steps; evaluating it", start_step)
-            try:
-                last_metrics = evaluate(start_step, evaluated_params(state), watch.stop_requested) or last_metrics
-            except EvaluationInterrupted as interrupted:
-                logging.warning("stopping on a preemption signal: %s", interrupted)
-                stopped_early = True
         if evaluate.pending_step is not None:
             if stopped_early:
                 # The checkpoint first: it is what a preempted run must not lose. The score
@@ -301,6 +316,17 @@ def _train_loop(
                 logging.info("waiting for the score of the evaluation of step %d", evaluate.pending_step)
             last_metrics = evaluate.record_finished(wait=True) or last_metrics
     return state, last_metrics, stopped_early
+
+
+def _evaluates_restored_step(config, start_step: int, writer: MetricWriter) -> bool:
+    """Whether the run evaluates the checkpoint it starts from before training on: a finished run's, or a due
+    evaluation that eval_metrics.jsonl lacks. Process 0's answer, on every process (evaluating is collective)."""
+    if start_step >= config.total_steps:
+        logging.info("workdir already holds a checkpoint at step %d >= total_steps", start_step)
+        return True
+    due = start_step > 0 and start_step % config.eval_every_steps == 0
+    missing = due and start_step not in writer.eval_steps()
+    return bool(multihost_utils.broadcast_one_to_all(np.int32(missing)))
 
 
 def _log_preemption_stop(step: int, total_steps: int, cause: Exception | None = None) -> None:

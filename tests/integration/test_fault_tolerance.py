@@ -25,6 +25,7 @@ import numpy as np
 import orbax.checkpoint as ocp
 import pytest
 
+from detector.training import checkpointing
 from tests.helpers import REPO_ROOT
 from tests.helpers.processes import free_port
 from tests.helpers.runs import checkpoint_steps, flat, once_per_run, read_jsonl
@@ -272,6 +273,29 @@ def test_killed_and_preempted_runs_end_with_the_uninterrupted_parameters(referen
     assert any(not np.array_equal(ema[name], params[name]) for name in params)  # a real average, not a copy
     assert_same_metrics(tmp_path, reference)
     assert [line["step"] for line in read_jsonl(tmp_path / "eval_metrics.jsonl")] == [TOTAL_STEPS]
+
+
+def test_a_run_killed_while_scoring_in_the_background_scores_that_step_when_resumed(data_dir, cache_dir, tmp_path):
+    """SIGKILL while step 4's evaluation is scored in the background (checkpoint 4 written, its score not): the
+    same command again evaluates step 4 before training on, so every due evaluation is recorded once and the
+    best checkpoint is chosen from all of them."""
+    # Scores land only when they must (before the next evaluation or checkpoint, at the end): the kill
+    # right after prediction lands while step 4's score is pending.
+    command = train_command(data_dir, tmp_path, eval_every_steps=4, checkpoint_every_steps=4, log_every_steps=100)
+    [run] = start_processes(command, 1, 8, cache_dir)
+    run.wait_for(r"eval step 4: predicted in .* scoring in the background")
+    run.kill(signal.SIGKILL)
+    assert run.finish() == -signal.SIGKILL
+    assert checkpoint_steps(tmp_path) == [4]
+    assert not (tmp_path / "eval_metrics.jsonl").exists(), "step 4's score landed before the kill"
+
+    [run] = start_processes(command, 1, 8, cache_dir)
+    assert run.finish() == 0, run.output[-3000:]
+    assert "evaluating step 4, the checkpoint this run starts from" in run.output
+    evaluations = read_jsonl(tmp_path / "eval_metrics.jsonl")
+    assert [line["step"] for line in evaluations] == [4, 8]
+    best_step, _ = checkpointing.restore_best(str(tmp_path))
+    assert [line["AP"] for line in evaluations if line["step"] == best_step] == [max(e["AP"] for e in evaluations)]
 
 
 # ----------------------------------------------------------------------------
