@@ -29,3 +29,16 @@ def test_a_fresh_start_or_other_processes_leave_the_files_alone(tmp_path):
     assert not (tmp_path / TRAIN_METRICS_FILE).exists()
     MetricWriter(str(tmp_path), enabled=True).discard_after(0)  # no files yet: nothing to do
     assert not (tmp_path / TRAIN_METRICS_FILE).exists()
+
+
+def test_an_evaluation_of_a_step_written_again_replaces_the_first(tmp_path):
+    """A finished run evaluated again (the same command once more) leaves one line for its last step."""
+    writer = MetricWriter(str(tmp_path), enabled=True)
+    writer.write_eval(4, {"AP": 0.1})
+    writer.write_eval(8, {"AP": 0.2})
+    assert writer.eval_steps() == {4, 8}
+    writer.write_eval(8, {"AP": 0.3})
+    writer.close()
+    lines = [json.loads(line) for line in (tmp_path / EVAL_METRICS_FILE).read_text().splitlines()]
+    assert [(line["step"], line["AP"]) for line in lines] == [(4, 0.1), (8, 0.3)]
+    assert MetricWriter(str(tmp_path), enabled=False).eval_steps() == set()  # other processes read nothing
