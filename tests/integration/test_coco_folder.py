@@ -12,7 +12,7 @@ from tests.helpers.coco_folders import CATEGORY_IDS, coco_json_overrides, write_
 from tests.helpers.pipeline_config import make_config as make_pipeline_config
 from tests.helpers.tiny_config import make_config as make_train_config
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("compilation_cache_dir")]
 
 
 @pytest.fixture(scope="module")

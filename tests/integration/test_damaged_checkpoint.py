@@ -18,7 +18,7 @@ from tests.helpers.runs import flat
 from tests.integration.test_fault_tolerance import saved_state
 from tests.integration.test_workdir_mismatch import run_command
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("compilation_cache_dir")]
 
 
 def truncate_largest_file(step_dir: pathlib.Path) -> None:

@@ -26,7 +26,7 @@ from tests.helpers.tiny_config import DINO_OVERRIDES, as_flags, make_dino_config
 from tests.integration.test_export import assert_fresh_process_detects_what_the_predictor_does, subprocess_env
 from tests.integration.test_train import Preempted, WrappedTrainIterator, restore_latest
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("compilation_cache_dir")]
 
 STEPS = {"total_steps": 2, "checkpoint_every_steps": 2, "eval_every_steps": 2, "log_every_steps": 1}
 EXPORT = {"postprocess.score_threshold": 0.0, "postprocess.max_detections": 10}

@@ -27,7 +27,7 @@ from input_pipeline import transforms
 from tests.helpers import REPO_ROOT
 from tests.helpers.tiny_config import as_flags, make_config
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("compilation_cache_dir")]
 
 EXPORT_OVERRIDES = {"postprocess.score_threshold": 0.0, "postprocess.max_detections": 10}
 MAX_DETECTIONS = EXPORT_OVERRIDES["postprocess.max_detections"]
@@ -52,8 +52,8 @@ def subprocess_env():
         "PYTHONPATH": str(REPO_ROOT),
         "JAX_PLATFORMS": "cpu",
         "XLA_FLAGS": os.environ.get("XLA_FLAGS", ""),
-        # The commands share the suite's compilation cache (tests/conftest.py) instead of each
-        # compiling the same programs again.
+        # The commands share the module's compilation cache (`compilation_cache_dir`, once per
+        # test run) instead of each compiling the same programs again; none: off.
         "JAX_COMPILATION_CACHE_DIR": jax.config.jax_compilation_cache_dir or "",
     }
 

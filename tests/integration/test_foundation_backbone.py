@@ -26,7 +26,7 @@ from tests.helpers.runs import flat, read_jsonl
 from tests.helpers.tiny_config import DINO_OVERRIDES, OVERRIDES
 from tests.integration.test_export import expected_detections, subprocess_env
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("compilation_cache_dir")]
 
 # The tiny DINO of the other end-to-end tests, on a 32-wide, 2-block DINOv3-style ViT with rank-2 adapters.
 BACKBONE = {

@@ -29,7 +29,7 @@ from detector.serving.predictor import load_predictor, predict_images
 from tests.helpers import REPO_ROOT
 from tests.helpers.tiny_config import as_flags, make_config
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("compilation_cache_dir")]
 
 
 def low_threshold_config(data_dir, threshold=0.001):

@@ -32,7 +32,7 @@ from tests.helpers.sharded_training import (
 )
 from tests.helpers.tiny_config import make_config
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("compilation_cache_dir")]
 
 ACCUMULATION = {
     "global_batch_size": 16,

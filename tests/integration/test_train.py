@@ -35,7 +35,7 @@ from tests.helpers.runs import checkpoint_steps, flat, read_jsonl
 from tests.helpers.sharded_training import abstract_state_on_mesh, assert_same_training, train_on_mesh
 from tests.helpers.tiny_config import make_config
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("compilation_cache_dir")]
 
 TRAIN_KEYS = {"step", "loss", "cls_loss", "box_loss", "learning_rate", "images_per_second"}
 EVAL_KEYS = {"step", "AP", "AP50", "AP75", "APs", "APm", "APl", "AR100"}

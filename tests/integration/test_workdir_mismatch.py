@@ -24,7 +24,7 @@ from tests.helpers import REPO_ROOT
 from tests.helpers.tiny_config import as_flags, make_config
 from tests.integration.test_export import subprocess_env
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("compilation_cache_dir")]
 
 WIDER = {"model.fpn_features": 24}
 
