@@ -14,7 +14,7 @@ import pytest
 
 from tests.integration.test_workdir_mismatch import run_command
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("compilation_cache_dir")]
 
 
 @contextlib.contextmanager
