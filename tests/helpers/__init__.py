@@ -13,7 +13,19 @@ REPO_ROOT = pathlib.Path(__file__).resolve().parents[2]
 # the full suite's time where it was, deadlocked a 2x2x2 LoRA ViT's
 # collective-permutes under the concurrency-optimised scheduler, and without
 # that scheduler changed exact results and compiled memory: not used.)
-QUICK_COMPILE_FLAGS = "--xla_cpu_use_xnnpack=true --xla_backend_optimization_level=0"
+#
+# XLA:CPU aborts the process (no Python exception, its message lost to
+# pytest's capture) when a collective's devices have not all arrived within
+# a timeout. With 8 fake devices' threads and the suite's other processes on
+# two cores, a 2x2x2 step's rendezvous can be starved that long: a worker
+# aborted mid-suite in a test that passes alone. The timeouts are raised
+# far past anything a test needs; a real deadlock still ends there.
+COLLECTIVE_TIMEOUT_FLAGS = (
+    "--xla_cpu_collective_call_warn_stuck_timeout_seconds=300 "
+    "--xla_cpu_collective_call_terminate_timeout_seconds=1200 "
+    "--xla_cpu_collective_timeout_seconds=1200"
+)
+QUICK_COMPILE_FLAGS = f"--xla_cpu_use_xnnpack=true --xla_backend_optimization_level=0 {COLLECTIVE_TIMEOUT_FLAGS}"
 
 
 def quick_xla_flags(devices: int | None = None) -> str:
