@@ -1,14 +1,14 @@
 """How much of their tolerance the sharded-equivalence tests use when only the summation order changes.
 
-    python -m tests.helpers.equivalence_margin [--case=dino|vit] [--sharp]
+    python -m tests.helpers.equivalence_margin [--case=dino|vit|spatial|foundation] [--sharp]
 
 Runs a case of tests/integration/test_sharded_equivalence.py (its 3 SGD steps
 from the same parameters on the same batches) on one device, then again with
 the summation order perturbed in ways no sharding bug is involved in: other
 meshes, micro-batches, and one device in a process of its own under other
 XLA:CPU flags (other kernels, vectorised reductions). Each perturbed run is
-compared with the one-device run under the tests' fixed floors (no
-yardstick), and the table gives the worst quantity's deviation as a fraction
+compared with the one-device run under the tests' fixed floors, and the
+table gives the worst quantity's deviation as a fraction
 of what is allowed (under 1 passes) and which quantity it is. `--sharp`
 keeps DINO's bilinear sampling as it is (the tests smooth it, see
 `continuous_dino`), to show what that buys.
@@ -37,8 +37,12 @@ FLAG_PERTURBATIONS = {
     "XLA:CPU's own dot/conv kernels (no XNNPACK)": "--xla_cpu_use_xnnpack=false --xla_backend_optimization_level=0",
     "LLVM optimisation level 2 (vectorised loops)": "--xla_cpu_use_xnnpack=true --xla_backend_optimization_level=2",
 }
-# (mesh, micro-batches) runs in this process.
+# (mesh, micro-batches) runs in this process. Spatial partitioning is tested
+# on (2, 1, 2): with fsdp as well, XLA's partitioner computes some of its
+# gradients wrongly (tens of times the tolerance; see the xfailed
+# tests/configs test of a kernel gradient split over both channel dims).
 MESH_PERTURBATIONS = (((4, 1, 1), 1), ((8, 1, 1), 1), ((2, 2, 2), 1), ((2, 2, 2), 2))
+SPATIAL_MESH_PERTURBATIONS = (((4, 1, 1), 1), ((2, 1, 2), 1))
 
 
 def _case(name: str):
@@ -53,6 +57,10 @@ def _case(name: str):
         return test_sharded_equivalence.dino_config(), functools.partial(
             sharded_training.continuous_dino, smooth_sampling=False
         )
+    if name == "spatial":
+        return test_sharded_equivalence.spatial_equivalence_config(), contextlib.nullcontext
+    if name == "foundation":
+        return test_sharded_equivalence.foundation_config("full"), contextlib.nullcontext
     config = vitdet_tiny.get_config()
     config.global_batch_size = 4
     return config, contextlib.nullcontext
@@ -125,7 +133,7 @@ def _worst(reference, other, initial) -> dict[str, tuple[float, str]]:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--case", default="dino", choices=("dino", "vit"))
+    parser.add_argument("--case", default="dino", choices=("dino", "vit", "spatial", "foundation"))
     parser.add_argument("--sharp", action="store_true", help="DINO's bilinear sampling unsmoothed")
     parser.add_argument("--save_one_device", help=argparse.SUPPRESS)  # a perturbed process's own run
     args = parser.parse_args()
@@ -143,13 +151,13 @@ def main() -> None:
     initial = flax.traverse_util.flatten_dict(st.initial_params(st.equivalence_config(config)), sep="/")
     reference = _run(case, (1, 1, 1))
     rows = []
-    for mesh_shape, accumulate_steps in MESH_PERTURBATIONS:
+    for mesh_shape, accumulate_steps in SPATIAL_MESH_PERTURBATIONS if case == "spatial" else MESH_PERTURBATIONS:
         if config.global_batch_size % (mesh_shape[0] * mesh_shape[1] * accumulate_steps):
             continue  # the batch does not split over this mesh
         label = f"mesh {mesh_shape}" + (f", {accumulate_steps} micro-batches" if accumulate_steps > 1 else "")
         run = _run(case, mesh_shape, accumulate_steps)
         rows.append((label, _worst(reference, run, initial)))
-        if mesh_shape == (2, 2, 2):
+        if mesh_shape[2] > 1:
             print(f"{label}: collectives per step {run.collectives}")
     for label, flags in FLAG_PERTURBATIONS.items():
         rows.append((f"one device, {label}", _worst(reference, _in_process_with_flags(case, flags, 1), initial)))

@@ -39,22 +39,16 @@ def damaged(reference_run, tmp_path):
     return workdir
 
 
-def test_training_resumes_from_the_step_before_a_damaged_one(reference_run, damaged, data_dir, tmp_path):
-    result = run_command("detector.train", damaged, data_dir, total_steps=6)
+def test_training_resumes_from_the_step_before_a_damaged_one(reference_run, damaged, data_dir):
+    result = run_command("detector.train", damaged, data_dir)
     assert result.returncode == 0, result.stderr[-3000:]
     assert "checkpoint of step 4 does not restore" in result.stderr
     assert "resuming from step 2" in result.stderr
     assert "Traceback" not in result.stderr
     names = sorted(os.listdir(damaged / "checkpoints"))
-    assert "4.damaged-0" in names and "6" in names, names  # moved aside, never deleted
-
-    # The same as a run whose newest checkpoint was step 2 all along.
-    intact = tmp_path / "intact"
-    shutil.copytree(reference_run.workdir, intact)
-    shutil.rmtree(intact / "checkpoints" / "4")
-    result = run_command("detector.train", intact, data_dir, total_steps=6)
-    assert result.returncode == 0, result.stderr[-3000:]
-    expected, got = saved_state(intact, 6), saved_state(damaged, 6)
+    assert "4.damaged-0" in names and "4" in names, names  # moved aside, never deleted
+    # Steps 3 and 4 trained again from step 2: the reference run's step 4, bit for bit.
+    expected, got = saved_state(reference_run.workdir, 4), saved_state(damaged, 4)
     assert flat(expected["params"]).keys() == flat(got["params"]).keys()
     for name, value in flat(expected["params"]).items():
         np.testing.assert_array_equal(flat(got["params"])[name], value, err_msg=name)

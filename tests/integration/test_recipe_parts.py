@@ -22,7 +22,6 @@ from detector.models import families
 from detector.serving import artifact
 from detector.serving.predictor import load_predictor
 from detector.training import checkpointing, trainer
-from detector.training.train_compile import plan_train_step
 from tests.helpers.runs import flat
 from tests.helpers.sharded_training import (
     NUM_CLASSES,
@@ -50,7 +49,7 @@ def initial_params(config):
     return jax.device_get(flax.linen.meta.unbox(jax.jit(lambda r: model.init(r, images))(jax.random.key(0))["params"]))
 
 
-def test_four_micro_batches_give_the_update_of_one_pass(data_dir):
+def test_four_micro_batches_give_the_update_of_one_pass_holding_one_micro_batchs_activations(data_dir):
     # On a sharded mesh: the accumulation's sums and the data/fsdp/model reductions together.
     mesh_shape = (2, 2, 2)
     one_pass = make_config(data_dir, **ACCUMULATION)
@@ -63,15 +62,9 @@ def test_four_micro_batches_give_the_update_of_one_pass(data_dir):
     for step_metrics in (reference.metrics, result.metrics):
         assert [m["num_positives"] for m in step_metrics] == [m["num_positives"] for m in reference.metrics]
     assert_same_training(reference, result, flax.traverse_util.flatten_dict(initial, sep="/"))
-
-
-def test_the_plan_holds_one_micro_batch_of_activations(data_dir):
-    temporaries = {}
-    for k in (1, 2, 4):
-        config = make_config(data_dir, **ACCUMULATION, **{"optimizer.accumulate_steps": k})
-        temporaries[k] = plan_train_step(config, jax.devices()[:1]).memory.temp_bytes
-    assert temporaries[1] > temporaries[2] > temporaries[4], temporaries
-    assert temporaries[4] < 0.6 * temporaries[1], temporaries
+    # The compiled step's temporaries (what `detector.plan` and the trainer's memory report read): a quarter
+    # of the batch's activations at a time, plus what does not scale with the batch.
+    assert result.memory.temp_bytes < 0.6 * reference.memory.temp_bytes, (result.memory, reference.memory)
 
 
 @pytest.fixture(scope="module")

@@ -16,7 +16,6 @@ from tests.helpers.sharded_training import (
     NUM_CLASSES,
     assert_same_training,
     continuous_dino,
-    data_parallel_shape,
     equivalence_config,
     initial_params,
     random_batch,
@@ -27,16 +26,12 @@ from tests.helpers.sharded_training import (
 pytestmark = pytest.mark.slow
 
 
-def check_sharded_training(
-    config, mesh_shape, expected_specs, max_collectives, *, with_yardstick=True, accumulate_steps=1
-):
+def check_sharded_training(config, mesh_shape, expected_specs, max_collectives, *, accumulate_steps=1):
     """Three SGD steps on one device and on `mesh_shape` give the same losses and updates; returns both runs.
 
-    The runs are `equivalence_config`'s 3 SGD steps. The
-    yardstick is the same batch split over 'data' alone: how far summation
-    order moves these numbers on this machine (`with_yardstick=False`: the
-    fixed floors of `assert_same_training` alone, for a variant of a model
-    whose yardstick another test runs).
+    The runs are `equivalence_config`'s 3 SGD steps, compared under the fixed
+    floors of `assert_same_training` (their margin on this machine and under
+    other summation orders: `python -m tests.helpers.equivalence_margin`).
     `expected_specs` {parameter: 'PartitionSpec(...)'} pins the layout of a
     few parameters (Megatron's column/row split, FSDP on the other dim):
     placement that changes no number is checked there, and so is what
@@ -50,16 +45,11 @@ def check_sharded_training(
     config = equivalence_config(config)
     initial, batches = initial_params(config), [random_batch(config, seed) for seed in range(3)]
     reference = train_on_mesh(config, (1, 1, 1), initial, batches, NUM_CLASSES)
-    yardstick = (
-        train_on_mesh(config, data_parallel_shape(mesh_shape), initial, batches, NUM_CLASSES)
-        if with_yardstick
-        else None
-    )
     sharded_config = config.copy_and_resolve_references()
     sharded_config.optimizer.accumulate_steps = accumulate_steps
     sharded = train_on_mesh(sharded_config, mesh_shape, initial, batches, NUM_CLASSES)
     assert {name: sharded.param_specs[name] for name in expected_specs} == expected_specs
-    assert_same_training(reference, sharded, flax.traverse_util.flatten_dict(initial, sep="/"), yardstick)
+    assert_same_training(reference, sharded, flax.traverse_util.flatten_dict(initial, sep="/"))
     more = {kind: count for kind, count in sharded.collectives.items() if count > max_collectives.get(kind, 0)}
     assert not more, f"collectives per step {sharded.collectives}, more than {max_collectives}"
     return reference, sharded
@@ -141,10 +131,9 @@ FOUNDATION_COLLECTIVES = {
 }
 
 
-@pytest.mark.parametrize("training", ["full", "frozen", "lora"])
-def test_foundation_vit_trains_identically_on_a_2x2x2_mesh(training):
+def foundation_config(training: str):
     """A width-reduced DINOv3 7B-type backbone (RoPE, SwiGLU, LayerScale, class and register tokens, global
-    blocks) under a tiny RetinaNet head: each way of training it gives one device's numbers on (2, 2, 2)."""
+    blocks) under a tiny RetinaNet head, trained `training` ('full', 'frozen' or 'lora')."""
     config = default.get_config()
     config.model.backbone = common.dinov3_backbone(32, 2, 2, mlp="swiglu", mlp_hidden=64, training=training)
     if training == "lora":
@@ -154,17 +143,25 @@ def test_foundation_vit_trains_identically_on_a_2x2x2_mesh(training):
     config.global_batch_size = 4
     config.model.fpn_features = config.model.head_features = 16
     config.model.head_convs = 1
+    return config
+
+
+@pytest.mark.parametrize("training", ["full", "frozen", "lora"])
+def test_foundation_vit_trains_identically_on_a_2x2x2_mesh(training):
+    """Each way of training the foundation backbone gives one device's numbers on (2, 2, 2)."""
+    config = foundation_config(training)
     specs = {**FOUNDATION_SPECS, **(FOUNDATION_LORA_SPECS if training == "lora" else {})}
-    # The yardstick (noise of summation order) is the full model's; the other
-    # modes run fewer operations of the same kinds.
-    check_sharded_training(
-        config, (2, 2, 2), specs, FOUNDATION_COLLECTIVES[training], with_yardstick=training == "full"
-    )
+    check_sharded_training(config, (2, 2, 2), specs, FOUNDATION_COLLECTIVES[training])
+
+
+def spatial_equivalence_config():
+    config = spatial_config(128)
+    config.global_batch_size = 4
+    return config
 
 
 def test_spatial_partitioning_trains_identically():
-    config = spatial_config(128)
-    config.global_batch_size = 4
+    config = spatial_equivalence_config()
     check_sharded_training(config, (2, 1, 2), SPATIAL_SPECS, SPATIAL_COLLECTIVES)
 
 
