@@ -107,7 +107,8 @@ def vit_backbone(
     foundation-backbone keys below (see `detector.models.vit.ViT`), e.g. for
     DINOv3 ViT-L: patch_size=16, absolute_position=False, rope="dinov3",
     rope_temperature=100.0, class_token=True, register_tokens=4,
-    layer_scale=1e-5, qkv_bias="none", norm_epsilon=1e-5 (prefix tokens need
+    layer_scale=1e-5, qkv_bias="none", norm_epsilon=1e-5; for timm's EVA-02 as
+    registered (no `norm.*`, `fc_norm` after pooling): final_norm=False (prefix tokens need
     global_attention_every=1; with windows set class_token=False,
     register_tokens=0 and the importer drops them).
     """
@@ -125,6 +126,7 @@ def vit_backbone(
         mlp_norm=False,
         qkv_bias="all",
         norm_epsilon=1e-6,
+        final_norm=True,
         lora_rank=0,
         lora_alpha=1.0,
         training="full",

@@ -211,6 +211,7 @@ def create_backbone(model_config, dtype: Any) -> nn.Module:
             mlp_norm=backbone_config.mlp_norm,
             qkv_bias=backbone_config.qkv_bias,
             norm_epsilon=backbone_config.norm_epsilon,
+            final_norm=backbone_config.final_norm,
             lora_rank=backbone_config.lora_rank,
             lora_alpha=backbone_config.lora_alpha,
             remat=model_config.remat,

@@ -524,6 +524,10 @@ class ViT(nn.Module):
       qkv_bias: 'all', 'qv' (a `[3, H, Dh]` bias whose k part the forward
         pass multiplies by 0: EVA-02, DINOv3-qkvb) or 'none' (DINOv3).
       norm_epsilon: every LayerNorm's epsilon (DINOv3: 1e-5).
+      final_norm: a LayerNorm `norm` over the last block's tokens. timm's
+        average-pooling ViTs (EVA-02 as registered) have none there: their
+        `fc_norm` normalises the pooled vector only, so their features are
+        the last block's tokens as they are.
       lora_rank, lora_alpha: LoRA adapters (`Projection`) on qkv, out, fc1
         and fc2 when the rank is not 0; `merge_lora` folds them in for export.
       remat: 'none', 'full' or 'dots' (see REMAT_POLICIES).
@@ -550,6 +554,7 @@ class ViT(nn.Module):
     mlp_norm: bool = False
     qkv_bias: str = "all"
     norm_epsilon: float = 1e-6
+    final_norm: bool = True
     lora_rank: int = 0
     lora_alpha: float = 1.0
     remat: str = "none"
@@ -609,7 +614,8 @@ class ViT(nn.Module):
 
     @nn.compact
     def patch_tokens(self, images: jax.Array) -> jax.Array:
-        """`images [B, H, W, 3]` -> the final-normed patch tokens `[B, H/p, W/p, E]` (prefix tokens dropped)."""
+        """`images [B, H, W, 3]` -> the last block's patch tokens `[B, H/p, W/p, E]` (final-normed unless
+        `final_norm` is False; prefix tokens dropped)."""
         self._check()
         x = conv(
             self.embed_dim,
@@ -664,7 +670,7 @@ class ViT(nn.Module):
             for i in range(num_stages):
                 carry, _ = Stage(**stage_kwargs, name=f"stage{i}")(carry, None)
         x = carry[0] if prefix else carry
-        return layer_norm(self.dtype, "norm", self.norm_epsilon)(x)
+        return layer_norm(self.dtype, "norm", self.norm_epsilon)(x) if self.final_norm else x
 
     def __call__(self, images: jax.Array) -> dict[int, jax.Array]:
         x = self.patch_tokens(images)

@@ -65,10 +65,11 @@ Dropped when the model has none: `cls_token` with its position entry,
 temperature ** (i / n)) and dropped: other periods would load another network.
 Anything else the model does not use is a WeightsFileError naming it and the
 config key that makes the model fit (`layer_scale`, `mlp`, `mlp_norm`,
-`qkv_bias`, `absolute_position`, `register_tokens`, `patch_size`, ...). The
-one parameter that may get nothing is the final norm, for files without
-`norm.*` (timm keeps `fc_norm` instead when it pools by averaging): it starts
-as the identity (scale 1, bias 0), as the model initialises it. No tensor
+`qkv_bias`, `absolute_position`, `register_tokens`, `patch_size`,
+`final_norm`, ...). A file without `norm.*` (timm's average-pooling ViTs,
+EVA-02 as registered, keep `fc_norm` instead, which normalises the pooled
+vector only) computes its features with no final normalisation: it loads
+into a model with `final_norm=False` only, which has none either. No tensor
 holds the LayerNorm epsilon (DINOv3: `norm_epsilon=1e-5`) or the RoPE kind
 of files without RoPE buffers (DINOv3: `rope='dinov3'`,
 `rope_temperature=100`; EVA-02: `rope='eva02'`, `rope_reference_grid=16`):
@@ -454,6 +455,7 @@ class VitFamily:
     mlp: str = "gelu"
     mlp_norm: bool = False
     qkv_bias: str = "all"  # 'all', 'qv', 'none'; a model's is 'bias' when its config is not known
+    final_norm: bool = True  # a LayerNorm `norm` after the last block
 
     def config_keys(self) -> str:
         """`class_token=True, register_tokens=4, ...`: the config values for this family (all of them)."""
@@ -466,12 +468,13 @@ class VitFamily:
                 f"mlp={self.mlp!r}",
                 f"mlp_norm={self.mlp_norm}",
                 f"qkv_bias={self.qkv_bias!r}",
+                f"final_norm={self.final_norm}",
             ]
         )
 
 
 def _vit_shapes(size: VitSize, family: VitFamily) -> dict[str, tuple[int, ...]]:
-    """The canonical tensor shapes of a ViT, without `pos_embed`/`class_pos_embed` (grid-sized) and `norm.*`."""
+    """The canonical tensor shapes of a ViT, without `pos_embed`/`class_pos_embed` (grid-sized)."""
     d, hidden = size.width, size.mlp_hidden
     block = {"norm1.weight": (d,), "norm1.bias": (d,), "attn.qkv.weight": (3 * d, d)}
     if family.qkv_bias in ("all", "bias"):
@@ -630,6 +633,7 @@ def vit_family(tensors: Mapping[str, Any]) -> VitFamily:
         mlp="swiglu" if "blocks.0.mlp.fc1_g.weight" in tensors else "gelu",
         mlp_norm="blocks.0.mlp.norm.weight" in tensors,
         qkv_bias=qkv_bias,
+        final_norm="norm.weight" in tensors or "norm.bias" in tensors,
     )
 
 
@@ -713,6 +717,12 @@ def _family_hint(file_size: VitSize, file_family: VitFamily, model_size: VitSize
         keys.append(f"mlp_norm={file_family.mlp_norm}")
     if (model_family.qkv_bias == "none") != (file_family.qkv_bias == "none"):
         keys.append(f"qkv_bias={file_family.qkv_bias!r}")
+    if model_family.final_norm != file_family.final_norm:
+        keys.append(
+            "final_norm=False (the file has no norm.*: its source does not normalise the last block's tokens)"
+            if model_family.final_norm
+            else "final_norm=True (the file has a final norm.*)"
+        )
     return f"the file's ViT differs from the model's: set model.backbone.{', '.join(keys)}" if keys else ""
 
 
@@ -749,8 +759,7 @@ def _check_vit_file(tensors: Mapping[str, Any], size: VitSize, family: VitFamily
             expected["pos_embed"] = (1, side * side, size.width)
     if "class_pos_embed" in tensors and family.class_token and family.absolute_position:
         expected["class_pos_embed"] = (1, 1, size.width)
-    # A final norm is optional, but then whole.
-    if "norm.weight" in tensors or "norm.bias" in tensors:
+    if family.final_norm:
         expected.update({"norm.weight": (size.width,), "norm.bias": (size.width,)})
     if _ROPE_PERIODS in tensors:
         expected[_ROPE_PERIODS] = tuple(np.shape(tensors[_ROPE_PERIODS]))
@@ -798,9 +807,9 @@ def _vit_model_layout(shapes: Mapping[str, tuple[int, ...]]) -> _VitModelLayout:
             unscanned[name] = (int(match[1]), None if match[2] is None else int(match[2]), match[3])
         else:
             unknown.append(name)
-    lacking = [
-        name for name in ("patch_embed/kernel", "patch_embed/bias", "norm/scale", "norm/bias") if name not in shapes
-    ]
+    lacking = [name for name in ("patch_embed/kernel", "patch_embed/bias") if name not in shapes]
+    if ("norm/scale" in shapes) != ("norm/bias" in shapes):
+        lacking.append("norm/bias" if "norm/scale" in shapes else "norm/scale")
     if unknown or lacking or not (scanned or unscanned):
         raise WeightsFileError(
             "the model's ViT is not laid out as this importer expects (detector.models.vit.ViT): "
@@ -844,11 +853,12 @@ def _vit_model_layout(shapes: Mapping[str, tuple[int, ...]]) -> _VitModelLayout:
         mlp="swiglu" if len(fc1) == 3 else "gelu",
         mlp_norm="mlp/norm/scale" in inner_names,
         qkv_bias="bias" if "attn/qkv/bias" in inner_names else "none",
+        final_norm="norm/scale" in shapes,
     )
     return _VitModelLayout(
         size=VitSize(
             depth=num_stages * every,
-            width=shapes["norm/scale"][-1],
+            width=shapes["patch_embed/kernel"][-1],
             mlp_hidden=fc1[-1],
             patch_size=shapes["patch_embed/kernel"][0],
         ),
@@ -949,9 +959,9 @@ def convert_timm_vit(
     params = {
         "patch_embed/kernel": kept[TIMM_VIT_MARKER].transpose(2, 3, 1, 0),
         "patch_embed/bias": kept["patch_embed.proj.bias"],
-        "norm/scale": kept.get("norm.weight", np.ones(shapes["norm/scale"], np.float32)),
-        "norm/bias": kept.get("norm.bias", np.zeros(shapes["norm/bias"], np.float32)),
     }
+    if model_family.final_norm:
+        params.update({"norm/scale": kept["norm.weight"], "norm/bias": kept["norm.bias"]})
     if model.grid is not None:
         side, _ = timm_position_grid(kept)
         pos_embed = kept["pos_embed"].reshape(1, side, side, model.size.width)
@@ -1181,7 +1191,10 @@ def _convert_timm_vit(state_dict: Mapping[str, Any], input_path: str, output_pat
         f"ignored: {_group_names(ignored_timm_vit_keys(state_dict)) or 'nothing'}",
     ]
     if "norm.weight" not in tensors:
-        lines.append("no final norm (norm.*) in the file: the backbone's final LayerNorm starts as the identity")
+        lines.append(
+            "no final norm (norm.*) in the file: its source does not normalise the last block's tokens (fc_norm, "
+            "dropped, normalises its pooled vector only), so the backbone must not either: final_norm=False"
+        )
     grid_text = (
         f" (pretrain_image_size={pixels} keeps the {pixels // size.patch_size} grid; another is resized bicubically "
         "on loading)"

@@ -158,7 +158,6 @@ def test_timm_eva02(variant):
             embed_dim=64,
             num_heads=4,
             dynamic_img_size=True,
-            use_fc_norm=False,  # keep the final norm in forward_features
         )
     )
     pixels = images((70, 84))
@@ -173,6 +172,8 @@ def test_timm_eva02(variant):
         mlp_hidden=int(64 * 4 * 2 / 3),
         mlp_norm=variant.startswith("eva02_base"),
         qkv_bias="qv",
+        # As registered, EVA-02 pools by averaging: `fc_norm` after pooling, no norm in forward_features.
+        final_norm=False,
     )
     vit = ViT(**vit_options(), **config, patch_size=14, pretrain_image_size=56)
     check(variant, our_patch_tokens(vit, state_dict_of(net), pixels, config), expected)

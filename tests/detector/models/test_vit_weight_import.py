@@ -202,7 +202,8 @@ def windowed_attention(x, state, name, num_heads, window):
 
 def reference_vit(state, images_nchw, *, num_heads, window_size, global_attention_every, model_grid):
     """`[B, H/16, W/16, D]`: patch embedding, position embedding resized file grid -> model grid -> input grid,
-    pre-norm blocks (windowed, every `global_attention_every`-th global), exact GELU, final norm (identity if none)."""
+    pre-norm blocks (windowed, every `global_attention_every`-th global), exact GELU, then the final norm if the
+    file has one (timm's `forward_features`: a file with `fc_norm` instead applies it to the pooled vector only)."""
     state = {name: np.asarray(value, np.float64) for name, value in state.items()}
     images = np.asarray(images_nchw, np.float64)
     weight = state["patch_embed.proj.weight"]  # [D, 3, P, P]
@@ -225,9 +226,7 @@ def reference_vit(state, images_nchw, *, num_heads, window_size, global_attentio
         )
         y = linear(layer_norm(x, state, f"blocks.{i}.norm2"), state, f"blocks.{i}.mlp.fc1")
         x = x + linear(0.5 * y * (1 + erf(y / np.sqrt(2))), state, f"blocks.{i}.mlp.fc2")
-    if "norm.weight" not in state:
-        state = {**state, "norm.weight": np.ones(d), "norm.bias": np.zeros(d)}
-    return layer_norm(x, state, "norm")
+    return layer_norm(x, state, "norm") if "norm.weight" in state else x
 
 
 def assert_close(ours, expected):
@@ -259,8 +258,8 @@ def abstract_params(model, size=(128, 128)):
     [
         # The model's grid (128 px / 16) is the file's; the forward pass resizes it to 10x7 (up and down).
         (8, True, True, dict(scan=True, global_attention_every=2), (160, 112)),
-        # Loading resizes 6x6 -> 8x8, the forward pass 8x8 -> 6x9; no class token, no final norm.
-        (6, False, False, dict(scan=False, global_attention_every=4), (96, 144)),
+        # Loading resizes 6x6 -> 8x8, the forward pass 8x8 -> 6x9; no class token, no final norm (fc_norm).
+        (6, False, False, dict(scan=False, global_attention_every=4, final_norm=False), (96, 144)),
     ],
     ids=["scanned_class_token", "unscanned_resized_on_load"],
 )
@@ -281,6 +280,25 @@ def test_loaded_vit_matches_reference_forward(tmp_path, file_grid, class_token, 
     )
     assert ours.shape == (2, size[0] // 16, size[1] // 16, WIDTH)
     assert_close(ours, expected)
+
+
+def test_a_file_without_a_final_norm_needs_a_model_without_one(tmp_path):
+    """timm's average-pooling ViTs (EVA-02 as registered) keep `fc_norm` for the pooled vector and no `norm`:
+    their tokens leave the last block unnormalised. A final LayerNorm, even at scale 1 and bias 0, would still
+    standardise every token, so such a file loads into `final_norm=False` only, and the converter says so."""
+    state = timm_vit_state_dict(final_norm=False)
+    np.savez(tmp_path / "fc_norm_vit.npz", **state)
+    with pytest.raises(WeightsFileError, match=r"final_norm=False \(the file has no norm\.\*"):
+        weight_import.load_backbone_params({"backbone": abstract_params(tiny_vit())}, tmp_path / "fc_norm_vit.npz")
+    # And the other way: a final norm in the file, none in the model.
+    np.savez(tmp_path / "norm_vit.npz", **timm_vit_state_dict(final_norm=True))
+    with pytest.raises(WeightsFileError, match=r"final_norm=True \(the file has a final norm"):
+        weight_import.load_backbone_params(
+            {"backbone": abstract_params(tiny_vit(final_norm=False))}, tmp_path / "norm_vit.npz"
+        )
+    report = weight_import.convert_pretrained_file(tmp_path / "fc_norm_vit.npz", tmp_path / "converted.npz")
+    assert "final_norm=False" in report and "identity" not in report, report
+    assert "norm/scale" not in traverse_util.flatten_dict(abstract_params(tiny_vit(final_norm=False)), sep="/")
 
 
 @pytest.mark.parametrize("grid,size", [((8, 8), (6, 6)), ((8, 8), (11, 5)), ((14, 14), (64, 64))])
