@@ -111,8 +111,8 @@ def test_the_ema_is_checkpointed_evaluated_and_exported(ema_run, tmp_path):
     image_hw = np.array([config.input.image_size], np.int32)
     program = artifact.export_predictor(predictor, 1)
     exported_scores = np.asarray(program.call(images, image_hw)["scores"])
-    expected = np.asarray(artifact.detection_function(predictor)(images, image_hw)["scores"])
-    raw_scores = np.asarray(artifact.detection_function(raw)(images, image_hw)["scores"])
+    expected = np.asarray(jax.jit(artifact.detection_function(predictor))(images, image_hw)["scores"])
+    raw_scores = np.asarray(jax.jit(artifact.detection_function(raw))(images, image_hw)["scores"])
     np.testing.assert_allclose(exported_scores, expected, rtol=1e-5, atol=1e-6)
     assert not np.allclose(raw_scores, expected, rtol=1e-5, atol=1e-6)
 

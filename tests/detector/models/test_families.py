@@ -195,18 +195,23 @@ def test_dino_detect_applies_the_configured_query_nms_and_distinct_selection(din
     params = jax.tree.map(lambda x: x, dino.params)
     params["box_head"]["layer2"]["bias"] = jnp.asarray([0.0, 0.0, 6.0, 6.0])
     got = jax.jit(objective.detect)(params, batch["image"], batch["image_hw"])
-    images = images_lib.normalize_images(batch["image"], batch["image_hw"], config.input.mean_rgb, config.input.std_rgb)
-    outputs = model.apply({"params": params}, images)
-    want = postprocess.detect_from_queries(
-        outputs["logits"][-1],
-        outputs["boxes"][-1],
-        IMAGE,
-        IMAGE,
-        max_detections=config.postprocess.max_detections,
-        score_threshold=0.0,
-        nms_iou_threshold=0.3,
-        pre_nms_top_k=50,
-    )
+
+    @jax.jit  # one program, not hundreds of operations dispatched (and compiled) one by one
+    def expected_detections(params, image, image_hw):
+        images = images_lib.normalize_images(image, image_hw, config.input.mean_rgb, config.input.std_rgb)
+        outputs = model.apply({"params": params}, images)
+        return postprocess.detect_from_queries(
+            outputs["logits"][-1],
+            outputs["boxes"][-1],
+            IMAGE,
+            IMAGE,
+            max_detections=config.postprocess.max_detections,
+            score_threshold=0.0,
+            nms_iou_threshold=0.3,
+            pre_nms_top_k=50,
+        )
+
+    want = expected_detections(params, batch["image"], batch["image_hw"])
     for key in want:
         np.testing.assert_allclose(got[key], want[key], rtol=1e-5, atol=1e-4, err_msg=key)
     plain = jax.jit(dino.objective.detect)(params, batch["image"], batch["image_hw"])

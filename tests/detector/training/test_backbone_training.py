@@ -327,7 +327,9 @@ def test_a_lora_backbone_exports_with_its_adapters_merged():
     config = tiny_vit_config("lora")
     config.postprocess.score_threshold = 0.0  # every slot valid: all of them are compared
     model = families.create_model(config, NUM_CLASSES)
-    params = flax.linen.meta.unbox(model.init(jax.random.key(0), np.zeros((1, 64, 64, 3), np.float32))["params"])
+    params = flax.linen.meta.unbox(
+        jax.jit(model.init)(jax.random.key(0), np.zeros((1, 64, 64, 3), np.float32))["params"]
+    )
     # Adapters far from their zero start, so that dropping them would show, and class scores spread
     # over (0, 1) rather than all at the prior's 0.01, so that rounding cannot reorder detections.
     rng = np.random.default_rng(0)
