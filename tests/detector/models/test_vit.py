@@ -74,7 +74,7 @@ def test_scanned_blocks_keep_the_program_size_independent_of_depth():
 def test_scanned_and_unrolled_blocks_compute_the_same_function():
     images = jax.random.normal(jax.random.key(0), (1, 64, 64, 3))
     scanned, unrolled = tiny_vit(scan=True), tiny_vit(scan=False)
-    params = scanned.init(jax.random.key(1), images)["params"]
+    params = jax.jit(scanned.init)(jax.random.key(1), images)["params"]
     # Unstack the scanned parameters [stage, layer, ...] into the unrolled names.
     unrolled_params = {k: v for k, v in params.items() if k != "stages"}
     for stage in range(2):
@@ -84,8 +84,8 @@ def test_scanned_and_unrolled_blocks_compute_the_same_function():
             "global": take(params["stages"]["global"], stage),
         }
     np.testing.assert_allclose(
-        unrolled.apply({"params": unrolled_params}, images)[4],
-        scanned.apply({"params": params}, images)[4],
+        jax.jit(unrolled.apply)({"params": unrolled_params}, images)[4],
+        jax.jit(scanned.apply)({"params": params}, images)[4],
         rtol=1e-5,
         atol=1e-5,
     )
