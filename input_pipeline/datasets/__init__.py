@@ -32,7 +32,7 @@ from __future__ import annotations
 import importlib
 
 # Public name -> (module, attribute). Loaded on first use: conversion worker
-# processes import single modules of this package (coco_json, split_writer)
+# processes import single modules of this package (coco_images, split_writer)
 # and must not pay for TensorFlow, TFDS and JAX, which splits.py loads.
 _EXPORTS = {
     "COCO_CATEGORY_IDS": ("input_pipeline.datasets.categories", "COCO_CATEGORY_IDS"),

@@ -20,48 +20,9 @@ back to the id that evaluation files use.
 Structural problems (the file missing or not JSON, the top-level lists
 missing, duplicate image or category ids, no categories, the image directory
 missing, malformed image or category entries) raise `DatasetError`. Problems
-with single annotations or files are common in real data, so they drop or fix
-the annotation or image and are counted instead, in the `counts` Counter that
-`iter_examples` updates:
-
-  images                    images listed in the JSON.
-  annotations               annotations listed in the JSON.
-  usable_images             images yielded.
-  annotation_unknown_image  annotation dropped: its image_id is not in images.
-  missing_image_file        image skipped: no file at image_root/file_name.
-  unreadable_image          image skipped: PIL cannot read the file's header
-                            (not an image, garbage, unreadable file).
-  size_mismatch             image skipped: the header's size differs from the
-                            JSON's width/height, so the boxes would be in the
-                            wrong frame.
-  unknown_category          annotation dropped: category_id not in categories.
-  invalid_box               annotation dropped: bbox is not 4 finite numbers.
-  empty_box                 annotation dropped: w <= 0 or h <= 0.
-  outside_box               annotation dropped: nothing of the box is left
-                            after clipping it to the image.
-  clipped_box               annotation kept, its box clipped to the image.
-  crowd_box                 annotation kept as a crowd region (is_crowd);
-                            can also be counted as clipped_box.
-  no_annotations            image yielded with no boxes (none in the JSON, or
-                            all dropped): a negative example.
-  converted_16bit           image kept; the decoder reduces 16-bit samples to
-                            8 bits (PIL mode 'I;16*', or 'I' for a PNG).
-  converted_alpha           image kept; the decoder drops its alpha channel
-                            (modes 'RGBA', 'LA', 'PA', 'RGBa', 'La').
-  converted_cmyk            image kept; the decoder converts CMYK to RGB.
-  converted_palette         image kept; the decoder expands its palette ('P').
-  converted_grayscale       image kept; the decoder repeats one channel to
-                            three (modes '1', 'L', 'I', 'F').
-
-An image is counted under at most one converted_* key, the first that applies
-in the order 16bit, alpha, cmyk, palette, grayscale: the earlier ones lose
-more information (a 16-bit or an 'LA' image is also grayscale, but its bit
-depth or alpha is what the conversion throws away).
-
-The annotation keys after annotation_unknown_image (unknown_category to
-crowd_box) and no_annotations count the annotations of yielded images only:
-a skipped image's annotations are never examined, since the JSON may lack its
-size and its file holds none.
+with single annotations are common in real data: their rows are kept, with
+their status (`ImageTable`), and `coco_images` drops or fixes them and counts
+them when it makes the examples.
 
 How the JSON is read: json_stream finds the top-level lists without
 parsing them, then reads categories, images and annotations in that order
@@ -79,37 +40,29 @@ reads only the rows of its images.
 from __future__ import annotations
 
 import array
-import collections
 import dataclasses
-import io
 import math
 import os
 from collections.abc import Iterator
-from concurrent import futures
 from typing import Any
 
 import numpy as np
-from PIL import Image
 
-from input_pipeline import records
 from input_pipeline.dataset_errors import DatasetError
 from input_pipeline.datasets import box_checks, json_stream
 from input_pipeline.datasets.column_files import ColumnFiles
 
-# At most this many images are read ahead of the consumer. It bounds memory
-# (the encoded bytes of this many images) while keeping every thread busy.
-_MAX_IN_FLIGHT = 256
 # Annotations become numpy columns this many at a time: each chunk's Python
 # objects are dropped before the next chunk is parsed.
 _PARSE_CHUNK = 1 << 16
-# Images whose rows of the table are read at once while examples are made.
-_READ_BLOCK = 4096
+# Images whose names are re-sorted at once, and whose rows coco_images reads at once.
+READ_BLOCK = 4096
 
 _REQUIRED_LISTS = ("images", "annotations", "categories")
 _INT64_MIN, _INT64_MAX = -(1 << 63), (1 << 63) - 1
 # ImageTable.box_status: the bbox is fine, not 4 finite numbers, or w or h <= 0.
-_BOX_OK, _BOX_INVALID, _BOX_EMPTY = 0, 1, 2
-_BOX_KEYS = {_BOX_INVALID: "invalid_box", _BOX_EMPTY: "empty_box"}
+BOX_OK, BOX_INVALID, BOX_EMPTY = 0, 1, 2
+BOX_KEYS = {BOX_INVALID: "invalid_box", BOX_EMPTY: "empty_box"}
 _JSON_NUMBERS = frozenset({int, float})
 _NO_BOX = (0.0, 0.0, 0.0, 0.0)
 
@@ -138,9 +91,9 @@ class ImageTable:
       [N + 1] into name uint8 [B], the UTF-8 file names; annotation_offset
       int64 [N + 1]: image i's annotations are rows annotation_offset[i] to
       annotation_offset[i + 1], in the JSON's order; label int32 [M], -1 when
-      category_id is not a category; box_status uint8 [M] (_BOX_OK,
-      _BOX_INVALID, _BOX_EMPTY); x, y, w, h float64 [M] the bbox as written
-      (0 unless _BOX_OK); crowd bool [M]. Annotations of unknown images are
+      category_id is not a category; box_status uint8 [M] (BOX_OK,
+      BOX_INVALID, BOX_EMPTY); x, y, w, h float64 [M] the bbox as written
+      (0 unless BOX_OK); crowd bool [M]. Annotations of unknown images are
       counted and left out.
 
     Attributes:
@@ -154,31 +107,6 @@ class ImageTable:
     num_images: int
     categories: CocoCategories
     counts: dict[str, int]
-
-
-@dataclasses.dataclass(frozen=True)
-class _ImageEntry:
-    """One image of the table with its annotations' columns (lists, JSON order)."""
-
-    image_id: int
-    file_name: str
-    width: int | None
-    height: int | None
-    labels: list[int]
-    box_status: list[int]
-    xywh: list[tuple[float, float, float, float]]
-    crowd: list[bool]
-
-
-@dataclasses.dataclass(frozen=True)
-class _FileInfo:
-    """What a worker thread learns about one image file."""
-
-    data: bytes
-    width: int
-    height: int
-    mode: str
-    format: str | None
 
 
 def _is_int(value: Any) -> bool:
@@ -338,13 +266,13 @@ def _read_images(outline: json_stream.Outline, json_path: str, columns: ColumnFi
 
 
 def _reorder_names(columns: ColumnFiles, lengths: np.ndarray, order: np.ndarray) -> None:
-    """Rewrites the concatenated `name` column in `order` (int64 [N]), _READ_BLOCK names at a time."""
+    """Rewrites the concatenated `name` column in `order` (int64 [N]), READ_BLOCK names at a time."""
     names = columns.read("name").tobytes()
     offsets = np.concatenate([[0], np.cumsum(lengths, dtype=np.int64)])
     columns.delete("name")
     columns.append("name", np.zeros([0], np.uint8))
-    for lo in range(0, len(order), _READ_BLOCK):
-        block = order[lo : lo + _READ_BLOCK].tolist()
+    for lo in range(0, len(order), READ_BLOCK):
+        block = order[lo : lo + READ_BLOCK].tolist()
         starts, stops = offsets[block].tolist(), offsets[np.asarray(block) + 1].tolist()
         joined = b"".join(names[a:b] for a, b in zip(starts, stops))
         columns.append("name", np.frombuffer(joined, np.uint8))
@@ -357,7 +285,7 @@ def _int64_column(values: list[Any]) -> tuple[np.ndarray, np.ndarray]:
 
 
 def _box_columns(bboxes: list[Any]) -> tuple[np.ndarray, np.ndarray]:
-    """(uint8 [n] _BOX_* status, float64 [n, 4] x, y, w, h where _BOX_OK, else 0) of COCO bboxes.
+    """(uint8 [n] _BOX_* status, float64 [n, 4] x, y, w, h where BOX_OK, else 0) of COCO bboxes.
 
     What JSON can hold as a well-formed bbox is a list of 4 ints or floats
     (not bools); numpy converts and checks those together, which costs a
@@ -376,16 +304,14 @@ def _box_columns(bboxes: list[Any]) -> tuple[np.ndarray, np.ndarray]:
     try:
         xywh = np.array([b if ok else _NO_BOX for b, ok in zip(bboxes, plain)], np.float64).reshape(-1, 4)
     except OverflowError:
-        status = [
-            {None: _BOX_OK, "invalid_box": _BOX_INVALID, "empty_box": _BOX_EMPTY}[_xywh_problem(b)] for b in bboxes
-        ]
-        xywh = np.array([[float(v) for v in b] if st == _BOX_OK else _NO_BOX for b, st in zip(bboxes, status)])
+        status = [{None: BOX_OK, "invalid_box": BOX_INVALID, "empty_box": BOX_EMPTY}[_xywh_problem(b)] for b in bboxes]
+        xywh = np.array([[float(v) for v in b] if st == BOX_OK else _NO_BOX for b, st in zip(bboxes, status)])
         return np.array(status, np.uint8), xywh.reshape(-1, 4)
     finite = np.array(plain, bool) & np.isfinite(xywh).all(axis=1)
     # Checked before adding: x + w may round back to x.
     positive = (xywh[:, 2] > 0) & (xywh[:, 3] > 0)
-    status = np.where(finite, np.where(positive, _BOX_OK, _BOX_EMPTY), _BOX_INVALID).astype(np.uint8)
-    xywh[status != _BOX_OK] = 0
+    status = np.where(finite, np.where(positive, BOX_OK, BOX_EMPTY), BOX_INVALID).astype(np.uint8)
+    xywh[status != BOX_OK] = 0
     return status, xywh
 
 
@@ -494,94 +420,6 @@ def read_table(json_path: str, image_root: str, columns: ColumnFiles | None = No
     return ImageTable(columns=columns, num_images=len(image_ids), categories=categories, counts=counts)
 
 
-def _read_image(path: str) -> _FileInfo | str:
-    """Reads one image file and its header (runs in a worker thread).
-
-    Returns:
-      The file's bytes and header, or the count key of why it is unusable:
-      'missing_image_file' or 'unreadable_image'.
-    """
-    try:
-        with open(path, "rb") as f:
-            data = f.read()
-    except (FileNotFoundError, IsADirectoryError, NotADirectoryError):
-        return "missing_image_file"
-    except OSError:
-        return "unreadable_image"
-    try:
-        # Image.open only parses the header; full decoding of millions of images
-        # would dominate, and truncated pixel data is caught by the decoder later.
-        with Image.open(io.BytesIO(data)) as img:
-            width, height = img.size
-            return _FileInfo(data=data, width=width, height=height, mode=img.mode, format=img.format)
-    except Exception:  # noqa: BLE001  PIL plugins raise many types on garbage.
-        return "unreadable_image"
-
-
-def _make_example(entry: _ImageEntry, info: _FileInfo, counts: collections.Counter) -> records.SourceExample:
-    """Builds the example of one readable image, counting its annotations."""
-    boxes, labels, crowd = [], [], []
-    for label, status, (x, y, w, h), is_crowd in zip(entry.labels, entry.box_status, entry.xywh, entry.crowd):
-        if label < 0:
-            counts["unknown_category"] += 1
-            continue
-        if status != _BOX_OK:
-            counts[_BOX_KEYS[status]] += 1
-            continue
-        key, box = box_checks.clip_box_yxyx((y, x, y + h, x + w), info.height, info.width)
-        if key is not None:
-            counts[key] += 1
-        if box is None:
-            continue
-        if is_crowd:
-            counts["crowd_box"] += 1
-        boxes.append(box)
-        labels.append(label)
-        crowd.append(is_crowd)
-    if not boxes:
-        counts["no_annotations"] += 1
-    return records.SourceExample(
-        image_bytes=info.data,
-        image_id=entry.image_id,
-        height=info.height,
-        width=info.width,
-        boxes_yxyx=np.asarray(boxes, np.float32).reshape(-1, 4),
-        labels=np.asarray(labels, np.int32),
-        is_crowd=np.asarray(crowd, bool),
-    )
-
-
-def _entries(columns: ColumnFiles, start: int, stop: int) -> Iterator[_ImageEntry]:
-    """The table's images start..stop-1 with their annotations, reading _READ_BLOCK images' rows at a time."""
-    for lo in range(start, stop, _READ_BLOCK):
-        hi = min(stop, lo + _READ_BLOCK)
-        ids = columns.read("image_id", lo, hi).tolist()
-        widths = columns.read("width", lo, hi).tolist()
-        heights = columns.read("height", lo, hi).tolist()
-        name_offsets = columns.read("name_offset", lo, hi + 1)
-        names = columns.read("name", int(name_offsets[0]), int(name_offsets[-1])).tobytes()
-        name_offsets = (name_offsets - name_offsets[0]).tolist()
-        offsets = columns.read("annotation_offset", lo, hi + 1)
-        first, last = int(offsets[0]), int(offsets[-1])
-        offsets = (offsets - first).tolist()
-        labels = columns.read("label", first, last).tolist()
-        status = columns.read("box_status", first, last).tolist()
-        xywh = list(zip(*(columns.read(name, first, last).tolist() for name in ("x", "y", "w", "h"))))
-        crowd = columns.read("crowd", first, last).tolist()
-        for i in range(hi - lo):
-            a, b = offsets[i], offsets[i + 1]
-            yield _ImageEntry(
-                image_id=ids[i],
-                file_name=names[name_offsets[i] : name_offsets[i + 1]].decode("utf-8", "surrogatepass"),
-                width=widths[i] or None,
-                height=heights[i] or None,
-                labels=labels[a:b],
-                box_status=status[a:b],
-                xywh=xywh[a:b],
-                crowd=crowd[a:b],
-            )
-
-
 def read_categories(json_path: str) -> CocoCategories:
     """The categories of a COCO instances JSON (to size the model's head).
 
@@ -594,83 +432,6 @@ def read_categories(json_path: str) -> CocoCategories:
     """
     json_path = os.fspath(json_path)
     return _parse_categories(_outline(json_path), json_path)
-
-
-def iter_examples(
-    json_path: str, image_root: str, counts: collections.Counter, *, num_threads: int = 8
-) -> Iterator[records.SourceExample]:
-    """Reads a COCO-format folder as SourceExamples.
-
-    The JSON is read and checked before this returns, so structural errors
-    raise here rather than at the first `next()`. Files are then read lazily,
-    by `num_threads` threads, as the iterator is consumed (on network file
-    systems per-file latency dominates).
-
-    Args:
-      json_path: the COCO instances JSON.
-      image_root: the directory that the images' `file_name`s are relative to.
-      counts: updated in place with the keys of the module doc.
-      num_threads: threads reading files and headers; the output does not
-        depend on it.
-
-    Returns:
-      An iterator of one SourceExample per usable image, in ascending image-id
-      order; boxes in the JSON's annotation order, labels contiguous by
-      ascending category id (see read_categories).
-
-    Raises:
-      DatasetError: the JSON or image_root is unusable (see module doc).
-    """
-    if num_threads < 1:
-        raise ValueError(f"num_threads must be at least 1, got {num_threads}")
-    table = read_table(json_path, image_root)
-    counts.update(table.counts)
-    counts["usable_images"] += 0  # Present even when nothing is usable.
-    return iter_table_examples(table.columns, os.fspath(image_root), counts, 0, table.num_images, num_threads)
-
-
-def images_examined(counts: collections.Counter) -> int:
-    """Images an iteration has looked at so far, yielded or skipped (for progress)."""
-    return sum(counts[k] for k in ("usable_images", "missing_image_file", "unreadable_image", "size_mismatch"))
-
-
-def iter_table_examples(
-    columns: ColumnFiles, image_root: str, counts: collections.Counter, start: int, stop: int, num_threads: int = 8
-) -> Iterator[records.SourceExample]:
-    """The examples of the table's images start..stop-1 (see iter_examples); counts their per-image keys only."""
-    with futures.ThreadPoolExecutor(max_workers=num_threads, thread_name_prefix="coco_json") as pool:
-        pending = collections.deque()  # (entry, future of _read_image), image order.
-        remaining = _entries(columns, start, stop)
-        try:
-            while True:
-                # Submitting in image order and consuming from the left keeps the
-                # output order independent of which thread finishes first.
-                for entry in remaining:
-                    pending.append((entry, pool.submit(_read_image, os.path.join(image_root, entry.file_name))))
-                    if len(pending) >= _MAX_IN_FLIGHT:
-                        break
-                if not pending:
-                    return
-                entry, future = pending.popleft()
-                info = future.result()
-                if isinstance(info, str):
-                    counts[info] += 1
-                    continue
-                if (entry.width is not None and entry.width != info.width) or (
-                    entry.height is not None and entry.height != info.height
-                ):
-                    counts["size_mismatch"] += 1
-                    continue
-                conversion = box_checks.conversion_key(info.mode, info.format)
-                if conversion is not None:
-                    counts[conversion] += 1
-                example = _make_example(entry, info, counts)
-                counts["usable_images"] += 1
-                yield example
-        finally:
-            # A consumer that stops early should not wait for the whole window.
-            for _, future in pending:
-                future.cancel()
 
 
 def _scorable_annotations(

@@ -56,7 +56,7 @@ from collections.abc import Callable, Sequence
 
 from input_pipeline import progress
 from input_pipeline.dataset_errors import DatasetError
-from input_pipeline.datasets import cache, coco_json, split_writer
+from input_pipeline.datasets import cache, coco_images, coco_json, split_writer
 from input_pipeline.datasets.column_files import ColumnFiles
 
 # A worker process costs about half a second to start; below this many
@@ -201,9 +201,9 @@ def convert_range(
         if len(ranges) <= 1 and stop - start <= _IN_PROCESS_MAX_IMAGES:
             counts = collections.Counter()
             columns = ColumnFiles.open(table_dir)
-            examples = coco_json.iter_table_examples(columns, image_root, counts, start, stop, _READ_THREADS)
+            examples = coco_images.iter_table_examples(columns, image_root, counts, start, stop, _READ_THREADS)
             for _ in split_writer.write_part(tmp, start, examples, counts=counts, shard_bytes=shard_bytes):
-                report.update(coco_json.images_examined(counts))
+                report.update(coco_images.images_examined(counts))
             return
         _run_workers(tmp, table_dir, image_root, ranges, shard_bytes, report)
 

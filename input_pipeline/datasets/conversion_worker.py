@@ -17,7 +17,7 @@ import json
 import sys
 
 from input_pipeline.dataset_errors import DatasetError
-from input_pipeline.datasets import coco_json, split_writer
+from input_pipeline.datasets import coco_images, split_writer
 from input_pipeline.datasets.column_files import ColumnFiles
 
 _REPORT_EVERY = 64
@@ -28,13 +28,13 @@ def main(spec: dict) -> None:
     counts = collections.Counter()
     columns = ColumnFiles.open(spec["table"])
     start, stop = int(spec["start"]), int(spec["stop"])
-    examples = coco_json.iter_table_examples(columns, spec["image_root"], counts, start, stop, int(spec["threads"]))
+    examples = coco_images.iter_table_examples(columns, spec["image_root"], counts, start, stop, int(spec["threads"]))
     for written in split_writer.write_part(
         spec["out"], start, examples, counts=counts, shard_bytes=int(spec["shard_bytes"])
     ):
         if written % _REPORT_EVERY == 0:
-            print(coco_json.images_examined(counts), flush=True)
-    print(coco_json.images_examined(counts), flush=True)
+            print(coco_images.images_examined(counts), flush=True)
+    print(coco_images.images_examined(counts), flush=True)
 
 
 if __name__ == "__main__":

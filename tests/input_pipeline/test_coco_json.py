@@ -9,7 +9,7 @@ import pytest
 from PIL import Image
 
 from input_pipeline.dataset_errors import DatasetError
-from input_pipeline.datasets import box_checks, coco_json
+from input_pipeline.datasets import box_checks, coco_images, coco_json
 
 
 def _save(path, mode, size, fmt=None):
@@ -37,7 +37,7 @@ def _ann(image_id, bbox, category_id=1, **extra):
 
 def _read(json_path, image_root, num_threads=2):
     counts = collections.Counter()
-    examples = list(coco_json.iter_examples(str(json_path), str(image_root), counts, num_threads=num_threads))
+    examples = list(coco_images.iter_examples(str(json_path), str(image_root), counts, num_threads=num_threads))
     # Zero entries carry no information; compare the nonzero ones exactly.
     return examples, dict(+counts)
 
@@ -289,7 +289,7 @@ def test_dataset_errors(tmp_path, case):
 
     # Raised when called, before any iteration: a bad config fails at startup.
     with pytest.raises(DatasetError) as info:
-        coco_json.iter_examples(str(json_path), str(image_root), collections.Counter())
+        coco_images.iter_examples(str(json_path), str(image_root), collections.Counter())
     message = str(info.value)
     assert str(named) in message and "\n" not in message
     assert isinstance(info.value, ValueError)
@@ -314,15 +314,15 @@ def test_independent_of_num_threads(tmp_path, monkeypatch):
 
     # Low image ids take longest and the window is smaller than the dataset, so
     # yielding in completion order instead of image order would show up.
-    read_image = coco_json._read_image
+    read_image = coco_images._read_image
 
     def slow_read_image(path):
         image_id = int(path.rsplit("/", 1)[1].split(".")[0])
         time.sleep(0.001 * ((130 - image_id) % 10))
         return read_image(path)
 
-    monkeypatch.setattr(coco_json, "_read_image", slow_read_image)
-    monkeypatch.setattr(coco_json, "_MAX_IN_FLIGHT", 8)
+    monkeypatch.setattr(coco_images, "_read_image", slow_read_image)
+    monkeypatch.setattr(coco_images, "_MAX_IN_FLIGHT", 8)
     results = [_read(json_path, tmp_path, num_threads=n) for n in (1, 4)]
     (examples1, counts1), (examples4, counts4) = results
     ids = [e.image_id for e in examples1]
@@ -350,7 +350,7 @@ def test_chunked_parsing_gives_the_same_examples(tmp_path, monkeypatch):
     json_path = _write_json(tmp_path / "instances.json", images, annotations)
     whole = _read(json_path, tmp_path)
     monkeypatch.setattr(coco_json, "_PARSE_CHUNK", 3)
-    monkeypatch.setattr(coco_json, "_READ_BLOCK", 2)
+    monkeypatch.setattr(coco_json, "READ_BLOCK", 2)
     chunked = _read(json_path, tmp_path)
     assert chunked[1] == whole[1]
     assert [e.image_id for e in chunked[0]] == list(range(1, 12))
