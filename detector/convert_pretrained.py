@@ -8,17 +8,18 @@ then train with `--config.model.backbone.pretrained=OUTPUT` (a ResNet also
 with `--config.model.backbone.norm=frozen_bn`). The input is a state dict
 as `.pth`/`.pt` (needs torch), `.safetensors` or `.npz`: a torchvision
 ResNet, a timm ViT (MAE, DeiT, `vit_*_dinov2`, `vit_*_reg4_dinov2`,
-`vit_*_dinov3`, `eva02_*`) or a transformers Dinov2Model,
-Dinov2WithRegistersModel or DINOv3ViTModel, told by its patch embedding. The
-output is a flat `.npz` that needs neither torch nor safetensors at
-training time: a ResNet in the backbone's layout (stage sizes and width from
-the state dict, so ResNet-18/34/101/152 convert too); a ViT in timm's names
-with the unused tensors dropped, mapped onto the model's blocks (head count,
-scanned stacks) and its position grid when loaded, so one file serves every
-input size and window layout. The report names the ViT family's config keys
+`vit_*_dinov3`, `eva02_*`), one of DINOv3's own, or a transformers
+ViTModel, ViTMAEModel, Dinov2Model, Dinov2WithRegistersModel or
+DINOv3ViTModel, told by its patch embedding. The output is a flat `.npz`
+that needs neither torch nor safetensors at training time: a ResNet in the
+backbone's layout (stage sizes and width from the state dict, so
+ResNet-18/34/101/152 convert too); a ViT in timm's names with the unused
+tensors dropped, mapped onto the model's blocks (head count, scanned
+stacks) and its position grid when loaded, so one file serves every input
+size and window layout. The report names the ViT family's config keys
 (patch_size, class_token, register_tokens, layer_scale, mlp, qkv_bias, ...);
 what no tensor holds (RoPE kind without RoPE buffers, LayerNorm epsilon) is
-set in the config (see `detector.models.weight_import`). Nothing is downloaded.
+set in the config (see `detector.models.weights`). Nothing is downloaded.
 """
 
 from __future__ import annotations
@@ -27,7 +28,7 @@ from absl import flags
 
 from detector import cli
 from detector.errors import ConfigError
-from detector.models import weight_import
+from detector.models import weights
 
 _INPUT = flags.DEFINE_string(
     "input",
@@ -46,7 +47,7 @@ def main(argv: list[str]) -> None:
         raise ConfigError(
             f"--output={_OUTPUT.value}: the converted backbone is written as .npz; give a name ending in .npz"
         )
-    print(weight_import.convert_pretrained_file(_INPUT.value, _OUTPUT.value))
+    print(weights.convert_pretrained_file(_INPUT.value, _OUTPUT.value))
 
 
 if __name__ == "__main__":

@@ -233,7 +233,7 @@ class FrozenBatchNorm(nn.Module):
 
     detectron2's FrozenBatchNorm2d: a pretrained BatchNorm's weight `w`, bias
     `b`, running mean `m` and variance `v` fold into `scale = w / sqrt(v + eps)`
-    and `bias = b - m * scale` (see `detector.models.weight_import`). Detection batches
+    and `bias = b - m * scale` (see `detector.models.weights.torchvision_resnet`). Detection batches
     of a few images per device are too small to re-estimate the statistics,
     so they stay as pretrained; the optimizer keeps these parameters fixed
     (`detector.training.optim`). Initialised as the identity. Parameters `scale`, `bias`:

@@ -2,7 +2,7 @@
 
 With frozen BatchNorm (the form torchvision's ImageNet weights take here)
 convolutions and the stem's max pool pad symmetrically, as torchvision's
-ResNet does, so weights converted by `detector.models.weight_import` compute the same
+ResNet does, so weights converted by `detector.models.weights` compute the same
 features; otherwise they pad 'SAME'. Output shapes are the same either way.
 """
 

@@ -23,7 +23,7 @@ from jax.experimental import multihost_utils
 import input_pipeline
 import sharding
 from detector.models import families
-from detector.models.weight_import import load_backbone_params
+from detector.models.weights import load_backbone_params
 from detector.training import checkpointing, optim, preemption, steps, workdir_lock
 from detector.training.evaluator import EvaluationInterrupted, Evaluator
 from detector.training.metric_writers import MetricWriter

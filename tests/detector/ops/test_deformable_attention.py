@@ -11,6 +11,7 @@ from jax.sharding import PartitionSpec as P
 
 from detector.ops import deformable_attention
 from detector.ops.deformable_attention import multi_scale_deformable_attention
+from tests.reference_outputs import generate
 
 # Every property holds for both ways of computing the same sum.
 BOTH_METHODS = pytest.mark.parametrize("method", ["gather", "matrix"])
@@ -117,32 +118,17 @@ def test_hand_values_follow_align_corners_false(method):
         assert got == pytest.approx(expected, abs=1e-6), (level, x, y)
 
 
-def _grid_sample_reference(value, shapes, locations, weights):
-    """Deformable DETR's ms_deform_attn_core_pytorch, restated."""
-    import torch
-    import torch.nn.functional as F
-
-    value, locations, weights = (torch.from_numpy(np.asarray(a, np.float64)) for a in (value, locations, weights))
-    batch, _, heads, head_dim = value.shape
-    _, queries, _, levels, points, _ = locations.shape
-    value_list = value.split([h * w for h, w in shapes], dim=1)
-    grids = 2 * locations - 1
-    sampled = []
-    for l, (height, width) in enumerate(shapes):
-        value_l = value_list[l].flatten(2).transpose(1, 2).reshape(batch * heads, head_dim, height, width)
-        grid_l = grids[:, :, :, l].transpose(1, 2).flatten(0, 1)
-        sampled.append(F.grid_sample(value_l, grid_l, mode="bilinear", padding_mode="zeros", align_corners=False))
-    weights = weights.transpose(1, 2).reshape(batch * heads, 1, queries, levels * points)
-    out = (torch.stack(sampled, dim=-2).flatten(-2) * weights).sum(-1).view(batch, heads * head_dim, queries)
-    return out.transpose(1, 2).numpy()
-
-
 @BOTH_METHODS
 def test_matches_torch_grid_sample(method):
-    pytest.importorskip("torch")
-    value, locations, weights = _inputs(np.random.default_rng(1))
-    got = np.asarray(multi_scale_deformable_attention(value, SHAPES, locations, weights, method))
-    np.testing.assert_allclose(got, _grid_sample_reference(value, SHAPES, locations, weights), rtol=1e-5, atol=1e-5)
+    # Deformable DETR's ms_deform_attn_core_pytorch (torch's grid_sample) in float64, stored by
+    # tests.reference_outputs.generate, so that no torch is needed here.
+    case = generate.read("deformable_attention_grid_sample")
+    shapes = tuple(tuple(shape) for shape in case.options["shapes"])
+    value, locations, weights = (case.arrays[key] for key in ("value", "locations", "weights"))
+    status = _corner_status(locations, shapes)
+    assert {(status == s).sum() > 20 for s in ("in", "partial", "out")} == {True}
+    got = np.asarray(multi_scale_deformable_attention(value, shapes, locations, weights, method))
+    np.testing.assert_allclose(got, case.arrays["reference"], rtol=1e-5, atol=1e-5)
 
 
 @BOTH_METHODS

@@ -10,7 +10,6 @@ tensors (NCHW, OIHW kernels, torchvision's padding).
 from __future__ import annotations
 
 import functools
-import importlib.util
 import os
 import subprocess
 import sys
@@ -28,7 +27,7 @@ from benchmarks.synthetic import random_batch
 from configs import default, retinanet_r50_coco
 from detector import cli
 from detector.errors import ConfigError, WeightsFileError
-from detector.models import families, weight_import
+from detector.models import families, weights
 from detector.models.resnet import ResNet, frozen_parameter_mask
 from detector.models.retinanet import create_model
 from detector.training import optim, steps
@@ -156,7 +155,7 @@ def random_images(size, batch=2, seed=1):
 )
 def test_converted_backbone_matches_reference_forward(bottleneck, stage_sizes, size):
     state = torchvision_state_dict(stage_sizes, bottleneck=bottleneck)
-    params = weight_import.convert_torchvision_resnet(state, stage_sizes)
+    params = weights.convert_torchvision_resnet(state, stage_sizes)
     images = random_images(size)
     model = ResNet(stage_sizes, 8, "bottleneck" if bottleneck else "basic", norm="frozen_bn")
     ours = jax.jit(model.apply)({"params": params}, images.transpose(0, 2, 3, 1))
@@ -172,7 +171,7 @@ def test_resnet50_layout_converts_and_loads_into_the_model(tmp_path):
     config.model.backbone.norm = "frozen_bn"
     model = create_model(config.model, 80, families.num_anchors_per_location(config))
     abstract = jax.eval_shape(model.init, jax.random.key(0), jnp.zeros((1, 128, 128, 3)))["params"]
-    loaded = weight_import.load_backbone_params(abstract, path)
+    loaded = weights.load_backbone_params(abstract, path)
 
     assert loaded["neck"] is abstract["neck"] and loaded["head"] is abstract["head"]
     model_leaves = traverse_util.flatten_dict(abstract["backbone"], sep="/")
@@ -199,64 +198,11 @@ def test_resnet50_layout_converts_and_loads_into_the_model(tmp_path):
     )
 
 
-# Runs in its own process: torchvision can crash on import next to TensorFlow,
-# which this test process has loaded.
-_TORCHVISION_RESNET50_FEATURES = r"""
-import sys
-import numpy as np
-import torch
-import torchvision
-
-torch.manual_seed(0)
-net = torchvision.models.resnet50().eval()  # random init: nothing downloaded
-with torch.no_grad():
-    for module in net.modules():
-        if isinstance(module, torch.nn.BatchNorm2d):  # statistics that matter
-            module.weight.uniform_(0.5, 1.5)
-            module.bias.normal_(0, 0.1)
-            module.running_mean.normal_(0, 0.1)
-            module.running_var.uniform_(0.5, 2.0)
-arrays = {"state." + name: tensor.numpy() for name, tensor in net.state_dict().items()}
-with torch.no_grad():
-    x = net.maxpool(net.relu(net.bn1(net.conv1(torch.from_numpy(np.load(sys.argv[1]))))))
-    for level, layer in zip(range(2, 6), (net.layer1, net.layer2, net.layer3, net.layer4)):
-        x = layer(x)
-        arrays[f"level{level}"] = x.numpy()
-np.savez(sys.argv[2], **arrays)
-"""
-
-
-def test_matches_torchvision_resnet50(tmp_path):
-    if importlib.util.find_spec("torch") is None or importlib.util.find_spec("torchvision") is None:
-        pytest.skip("torch and torchvision are not installed (pip install -e '.[bench]')")
-    images = random_images((64, 64), batch=1)
-    np.save(tmp_path / "images.npy", images)
-    subprocess.run(
-        [
-            sys.executable,
-            "-c",
-            _TORCHVISION_RESNET50_FEATURES,
-            str(tmp_path / "images.npy"),
-            str(tmp_path / "torchvision.npz"),
-        ],
-        check=True,
-        timeout=300,
-    )
-    arrays = np.load(tmp_path / "torchvision.npz")
-    state = {name[len("state.") :]: arrays[name] for name in arrays.files if name.startswith("state.")}
-    expected = {level: arrays[f"level{level}"] for level in range(2, 6)}
-    params = weight_import.convert_torchvision_resnet(state)
-    ours = ResNet((3, 4, 6, 3), 64, "bottleneck", norm="frozen_bn").apply(
-        {"params": params}, images.transpose(0, 2, 3, 1)
-    )
-    assert_features_match(ours, expected)
-
-
 def test_missing_tensor_is_named():
     state = torchvision_state_dict()
     del state["layer1.0.bn2.running_var"]
     with pytest.raises(WeightsFileError, match=r"1 missing \(layer1\.0\.bn2\.running_var\)") as error:
-        weight_import.convert_torchvision_resnet(state, (1, 1, 1, 1))
+        weights.convert_torchvision_resnet(state, (1, 1, 1, 1))
     assert "unexpected" not in str(error.value)
 
 
@@ -264,12 +210,12 @@ def test_unexpected_tensors_are_named_and_counted():
     state = torchvision_state_dict()
     state["layer1.0.se.weight"] = np.zeros(3, np.float32)
     with pytest.raises(WeightsFileError, match=r"1 unexpected \(layer1\.0\.se\.weight\)") as error:
-        weight_import.convert_torchvision_resnet(state, (1, 1, 1, 1))
+        weights.convert_torchvision_resnet(state, (1, 1, 1, 1))
     # The classifier and BatchNorm counters are skipped, not reported.
     assert "fc." not in str(error.value) and "num_batches_tracked" not in str(error.value)
 
     with pytest.raises(WeightsFileError, match=r"30 missing \(layer1\.1\.bn1\.bias, .* and 25 more\)"):
-        weight_import.convert_torchvision_resnet(torchvision_state_dict(), (3, 1, 1, 1))
+        weights.convert_torchvision_resnet(torchvision_state_dict(), (3, 1, 1, 1))
 
 
 def test_shape_mismatch_names_the_tensor_and_both_shapes():
@@ -280,7 +226,7 @@ def test_shape_mismatch_names_the_tensor_and_both_shapes():
         match=r"layer2\.0\.conv2\.weight has shape \(16, 16, 1, 1\); "
         r"this ResNet needs \(16, 16, 3, 3\)",
     ):
-        weight_import.convert_torchvision_resnet(state, (1, 1, 1, 1))
+        weights.convert_torchvision_resnet(state, (1, 1, 1, 1))
 
 
 def test_unknown_suffix_missing_file_and_missing_readers(tmp_path, monkeypatch):
@@ -291,19 +237,19 @@ def test_unknown_suffix_missing_file_and_missing_readers(tmp_path, monkeypatch):
         match=r"weights\.bin: unknown weights file type '\.bin'; "
         r"use one of \.npz, \.safetensors, \.pth, \.pt",
     ):
-        weight_import.read_state_dict(unknown)
+        weights.read_state_dict(unknown)
     with pytest.raises(FileNotFoundError, match="no_such_weights.npz"):
-        weight_import.read_state_dict(tmp_path / "no_such_weights.npz")
+        weights.read_state_dict(tmp_path / "no_such_weights.npz")
     for name in ("weights.pth", "weights.safetensors"):
         (tmp_path / name).write_bytes(b"")
     # None in sys.modules makes the import fail, whether or not the package is installed.
     monkeypatch.setitem(sys.modules, "torch", None)
     with pytest.raises(WeightsFileError, match=r"needs torch \(pip install torch\).*\.npz or \.safetensors"):
-        weight_import.read_state_dict(tmp_path / "weights.pth")
+        weights.read_state_dict(tmp_path / "weights.pth")
     monkeypatch.setitem(sys.modules, "safetensors", None)
     monkeypatch.setitem(sys.modules, "safetensors.numpy", None)
     with pytest.raises(WeightsFileError, match=r"needs the safetensors package \(pip install safetensors"):
-        weight_import.read_state_dict(tmp_path / "weights.safetensors")
+        weights.read_state_dict(tmp_path / "weights.safetensors")
     assert WeightsFileError in cli.USER_ERRORS  # reported by the CLIs as one line
 
 
@@ -311,7 +257,7 @@ def test_safetensors_file_reads_like_npz(tmp_path):
     safetensors_numpy = pytest.importorskip("safetensors.numpy")
     state = {k: v for k, v in torchvision_state_dict().items() if v.ndim}
     safetensors_numpy.save_file(state, str(tmp_path / "weights.safetensors"))
-    loaded = weight_import.read_state_dict(tmp_path / "weights.safetensors")
+    loaded = weights.read_state_dict(tmp_path / "weights.safetensors")
     assert set(loaded) == set(state)
     np.testing.assert_array_equal(loaded["layer1.0.conv2.weight"], state["layer1.0.conv2.weight"])
 
@@ -353,7 +299,7 @@ def test_cli_converts_to_npz_that_loads_into_the_model(tmp_path):
     with np.load(output) as npz:
         assert "stage1_block1/FrozenBatchNorm_3/scale" in npz.files and "stem_conv/kernel" in npz.files
 
-    loaded = weight_import.load_backbone_params(params, output)
+    loaded = weights.load_backbone_params(params, output)
     assert loaded["head"] is params["head"]
     kernel = loaded["backbone"]["stage2_block1"]["Conv_1"]["kernel"]
     assert isinstance(kernel, jax.Array)
@@ -371,7 +317,7 @@ def test_loading_checks_the_model(tmp_path):
         match=r"missing \(.*GroupNorm.*unexpected \(.*FrozenBatchNorm"
         r".*config\.model\.backbone\.norm='frozen_bn'",
     ):
-        weight_import.load_backbone_params(params, tmp_path / "torchvision.npz")
+        weights.load_backbone_params(params, tmp_path / "torchvision.npz")
 
     deeper = ResNet((2, 1, 1, 1), 8, norm="frozen_bn")
     params = {"backbone": jax.eval_shape(deeper.init, jax.random.key(0), jnp.zeros((1, 32, 32, 3)))["params"]}
@@ -380,10 +326,10 @@ def test_loading_checks_the_model(tmp_path):
         match=r"torchvision\.npz: .*stage sizes \(2, 1, 1, 1\).*missing "
         r"\(layer1\.1\.bn1\.bias",
     ):
-        weight_import.load_backbone_params(params, tmp_path / "torchvision.npz")
+        weights.load_backbone_params(params, tmp_path / "torchvision.npz")
 
-    ours = weight_import.flatten_backbone_params(
-        weight_import.convert_torchvision_resnet(torchvision_state_dict((1, 1, 1, 1)), (1, 1, 1, 1))
+    ours = weights.flatten_backbone_params(
+        weights.convert_torchvision_resnet(torchvision_state_dict((1, 1, 1, 1)), (1, 1, 1, 1))
     )
     ours["stage3_block1/FrozenBatchNorm_2/scale"] = np.ones(7, np.float32)
     np.savez(tmp_path / "ours.npz", **ours)
@@ -394,7 +340,7 @@ def test_loading_checks_the_model(tmp_path):
         match=r"ours\.npz: tensor stage3_block1/FrozenBatchNorm_2/scale has "
         r"shape \(7,\); the model's is \(128,\)",
     ):
-        weight_import.load_backbone_params(params, tmp_path / "ours.npz")
+        weights.load_backbone_params(params, tmp_path / "ours.npz")
 
 
 def test_group_norm_keeps_its_parameter_names():
@@ -525,7 +471,7 @@ def test_a_truncated_weights_file_is_one_error_line(tmp_path, suffix):
     data = path.read_bytes()
     path.write_bytes(data[: len(data) // 2])  # what an interrupted copy leaves
     with pytest.raises(WeightsFileError, match="damaged or truncated"):
-        weight_import.read_state_dict(path)
+        weights.read_state_dict(path)
     result = subprocess.run(
         [sys.executable, "-m", "detector.convert_pretrained", f"--input={path}", f"--output={tmp_path / 'out.npz'}"],
         cwd=REPO_ROOT,

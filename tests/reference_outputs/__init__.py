@@ -1,0 +1,1 @@
+"""Stored outputs of other libraries' models (`generate.py` writes them; its docstring has the layout)."""
