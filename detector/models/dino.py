@@ -44,15 +44,10 @@ import jax.numpy as jnp
 import numpy as np
 
 from detector.models.layers import relu, rematerialized
-from detector.models.vit import Projection, layer_norm
-from detector.ops.attention import dot_product_attention
+from detector.models.transformer import HEAD_AXES, TOKEN_AXES, Mlp, Projection, attention, layer_norm
 from detector.ops.box_ops import cxcywh_to_yxyx
 from detector.ops.deformable_attention import multi_scale_deformable_attention
 from detector.ops.postprocess import non_max_suppression
-
-TOKEN_AXES = ("batch", "tokens", "act_embed")
-HEAD_AXES = ("batch", "tokens", "act_heads", "kv")
-FFN_AXES = ("batch", "tokens", "act_mlp")
 
 
 def inverse_sigmoid(x: jax.Array, eps: float = 1e-5) -> jax.Array:
@@ -213,23 +208,7 @@ class MultiHeadAttention(nn.Module):
             return nn.with_logical_constraint(y, HEAD_AXES)
 
         q, k, v = project(query, "query"), project(key, "key"), project(value, "value")
-        # Logits and softmax in float32, as in the ViT; no [B, H, T, T] array kept for the backward pass.
-        return _merge_heads(dot_product_attention(q, k, v, mask), embed, self.dtype)
-
-
-class FeedForward(nn.Module):
-    """`[B, T, E] -> [B, T, E]`: E -> hidden (ReLU) -> E, hidden units split over `mlp`."""
-
-    hidden: int
-    dtype: Any = jnp.float32
-
-    @nn.compact
-    def __call__(self, x: jax.Array) -> jax.Array:
-        embed = x.shape[-1]
-        y = Projection((self.hidden,), ("embed", "mlp"), ("mlp",), dtype=self.dtype, name="fc1")(x)
-        y = nn.with_logical_constraint(relu(y), FFN_AXES)
-        y = Projection((embed,), ("mlp", "embed"), ("norm",), dtype=self.dtype, name="fc2")(y)
-        return nn.with_logical_constraint(y, TOKEN_AXES)
+        return _merge_heads(attention(q, k, v, mask), embed, self.dtype)
 
 
 class PredictionMlp(nn.Module):
@@ -258,6 +237,12 @@ class PredictionMlp(nn.Module):
         return x
 
 
+def _feed_forward(hidden: int, dtype: Any):
+    """DETR's FFN `[B, T, E] -> [B, T, E]` (submodule "ffn"): E -> hidden (ReLU) -> E, hidden units on `mlp`."""
+    mlp = Mlp(hidden, dtype, kind="relu", name="ffn")
+    return lambda x: nn.with_logical_constraint(mlp(x), TOKEN_AXES)
+
+
 class _TransformerLayer(nn.Module):
     """What encoder and decoder layers are built of: attention shapes, FFN width, the pyramid's level sizes."""
 
@@ -278,7 +263,7 @@ class EncoderLayer(_TransformerLayer):
             self.num_heads, self.num_levels, self.num_points, self.dtype, name="self_attention"
         )
         x = layer_norm(self.dtype, "norm1", 1e-5)(x + attention(x + position, reference, x, self.spatial_shapes))
-        x = layer_norm(self.dtype, "norm2", 1e-5)(x + FeedForward(self.ffn_dim, self.dtype, name="ffn")(x))
+        x = layer_norm(self.dtype, "norm2", 1e-5)(x + _feed_forward(self.ffn_dim, self.dtype)(x))
         return nn.with_logical_constraint(x, TOKEN_AXES)
 
 
@@ -295,7 +280,7 @@ class DecoderLayer(_TransformerLayer):
         )
         y = cross(queries + query_position, reference_boxes, memory, self.spatial_shapes)
         queries = layer_norm(self.dtype, "norm2", 1e-5)(queries + y)
-        y = FeedForward(self.ffn_dim, self.dtype, name="ffn")(queries)
+        y = _feed_forward(self.ffn_dim, self.dtype)(queries)
         queries = layer_norm(self.dtype, "norm3", 1e-5)(queries + y)
         return nn.with_logical_constraint(queries, TOKEN_AXES)
 

@@ -11,8 +11,8 @@ position, optional registers, LayerScale, SwiGLU for ViT-g), DINOv3 (patch
 16, no absolute position but 2-D RoPE, registers, LayerScale, SwiGLU for
 H+/7B, no or q/v-only qkv bias, LayerNorm eps 1e-5) and EVA-02 (patch 14,
 absolute position plus 'cat' RoPE on a reference grid, q/v-only bias,
-SwiGLU with a LayerNorm over the hidden units). `weight_import` maps their
-timm and transformers checkpoints onto it.
+SwiGLU with a LayerNorm over the hidden units). `detector.models.weights` maps
+their timm and transformers checkpoints onto it.
 
 Logical axis names (mapped to mesh axes by `config.sharding.rules`):
   parameters  'embed' (model width of the matmul kernels: FSDP), 'heads' and
@@ -36,7 +36,6 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from collections.abc import Mapping
 from typing import Any
 
 import flax.linen as nn
@@ -45,37 +44,17 @@ import jax.numpy as jnp
 import numpy as np
 
 from detector.errors import ConfigError
-from detector.models.layers import LayerNorm, conv, normalize, rematerialized
+from detector.models.layers import conv, rematerialized
+from detector.models.transformer import HEAD_AXES, Mlp, Projection, attention, layer_norm
 
 TOKEN_GRID_AXES = ("batch", "height", "width", "act_embed")
 PREFIX_AXES = ("batch", None, "act_embed")
-HEAD_AXES = ("batch", "tokens", "act_heads", "kv")
-MLP_AXES = ("batch", "tokens", "act_mlp")
 PATCH_SIZES = (14, 16)
 ROPES = ("", "dinov3", "eva02")
 MLPS = ("gelu", "swiglu")
 QKV_BIASES = ("all", "qv", "none")
 # The stride of the map the simple feature pyramid and DINO read as level 4.
 FEATURE_STRIDE = 16
-
-
-def layer_norm(dtype: Any, name: str, epsilon: float = 1e-6) -> LayerNorm:
-    """LayerNorm over the last axis with float32 parameters named ('norm',), computing in `dtype`."""
-    return LayerNorm(epsilon=epsilon, dtype=dtype, name=name)
-
-
-class HiddenNorm(nn.Module):
-    """LayerNorm over the MLP's hidden units (EVA-02's `mlp.norm`): parameters named ('mlp',), like the units."""
-
-    epsilon: float = 1e-6
-    dtype: Any = jnp.float32
-
-    @nn.compact
-    def __call__(self, x: jax.Array) -> jax.Array:
-        features = (x.shape[-1],)
-        scale = self.param("scale", nn.with_logical_partitioning(nn.initializers.ones, ("mlp",)), features)
-        bias = self.param("bias", nn.with_logical_partitioning(nn.initializers.zeros, ("mlp",)), features)
-        return normalize(x, scale, bias, self.epsilon).astype(self.dtype)
 
 
 def _window_partition(x: jax.Array, window: int) -> tuple[jax.Array, tuple[int, int]]:
@@ -139,107 +118,6 @@ def rotate(x: jax.Array, cos: jax.Array, sin: jax.Array, interleaved: bool) -> j
     if interleaved:
         return jnp.stack(turned, axis=-1).reshape(x.shape)
     return jnp.concatenate(turned, axis=-1)
-
-
-class Projection(nn.Module):
-    """`x @ kernel + bias` contracting the last `contract` dims of x, for kernels of any rank, with optional LoRA.
-
-    (`nn.DenseGeneral` initialises a flattened 2-D kernel, which cannot carry
-    one logical name per dimension of the multi-dimensional kernel.)
-    With `lora_rank` r > 0 it adds `(x @ lora_a) @ lora_b * (lora_alpha / r)`:
-    `lora_a` `[in..., r]` (Kaiming-uniform, as the LoRA paper's code), `lora_b`
-    `[r, out...]` (zeros, so training starts from the plain projection),
-    named like the kernel's input and output axes so they shard with it.
-    `bias_mask`, if given, scales the bias along its first axis by constants
-    (EVA-02's qkv has no k bias: (1, 0, 1)).
-    """
-
-    features: tuple[int, ...]
-    kernel_axes: tuple[str | None, ...]  # input dims, then feature dims
-    bias_axes: tuple[str | None, ...]
-    contract: int = 1
-    dtype: Any = jnp.float32
-    kernel_init: Any = None  # None: Glorot-uniform over the whole fan-in and fan-out, as for a 2-D kernel
-    bias_init: Any = nn.initializers.zeros
-    use_bias: bool = True
-    bias_mask: tuple[float, ...] | None = None
-    lora_rank: int = 0
-    lora_alpha: float = 1.0
-
-    @nn.compact
-    def __call__(self, x: jax.Array) -> jax.Array:
-        in_shape = x.shape[x.ndim - self.contract :]
-        in_dims = tuple(range(self.contract))
-        out_dims = tuple(range(self.contract, self.contract + len(self.features)))
-        init = self.kernel_init or nn.initializers.variance_scaling(
-            1.0, "fan_avg", "uniform", in_axis=in_dims, out_axis=out_dims
-        )
-        kernel = self.param(
-            "kernel", nn.with_logical_partitioning(init, self.kernel_axes), (*in_shape, *self.features), jnp.float32
-        )
-        x_dims = tuple(range(x.ndim - self.contract, x.ndim))
-        x = x.astype(self.dtype)
-        y = jax.lax.dot_general(x, kernel.astype(self.dtype), ((x_dims, in_dims), ((), ())))
-        if self.lora_rank:
-            a_init = nn.initializers.variance_scaling(
-                1.0 / 3.0, "fan_in", "uniform", in_axis=in_dims, out_axis=(self.contract,)
-            )
-            lora_a = self.param(
-                "lora_a",
-                nn.with_logical_partitioning(a_init, (*self.kernel_axes[: self.contract], None)),
-                (*in_shape, self.lora_rank),
-                jnp.float32,
-            )
-            lora_b = self.param(
-                "lora_b",
-                nn.with_logical_partitioning(nn.initializers.zeros, (None, *self.kernel_axes[self.contract :])),
-                (self.lora_rank, *self.features),
-                jnp.float32,
-            )
-            low = jax.lax.dot_general(x, lora_a.astype(self.dtype), ((x_dims, in_dims), ((), ())))
-            update = jax.lax.dot_general(low, lora_b.astype(self.dtype), (((low.ndim - 1,), (0,)), ((), ())))
-            y = y + update * jnp.asarray(self.lora_alpha / self.lora_rank, self.dtype)
-        if not self.use_bias:
-            return y
-        bias = self.param(
-            "bias", nn.with_logical_partitioning(self.bias_init, self.bias_axes), self.features, jnp.float32
-        )
-        if self.bias_mask is not None:
-            mask = np.asarray(self.bias_mask, np.float32).reshape(-1, *([1] * (len(self.features) - 1)))
-            bias = bias * mask
-        return y + bias.astype(self.dtype)
-
-
-def merge_lora(backbone_params: Mapping, alpha_over_rank: float) -> dict:
-    """`backbone_params` with every LoRA adapter folded into its kernel and the `lora_*` leaves removed.
-
-    `kernel [stack..., in..., out...] + lora_a [stack..., in..., r] . lora_b
-    [stack..., r, out...] * alpha_over_rank` (the contraction over r, per
-    scanned slice), so a ViT with `lora_rank=0` computes with the result what
-    the adapted ViT computes, e.g. for export. Leaves may be arrays or boxed
-    (logically partitioned); they keep their form.
-    """
-    merged = {}
-    for name, value in backbone_params.items():
-        if isinstance(value, Mapping) and "lora_a" in value and "lora_b" in value and "kernel" in value:
-            boxed = value["kernel"]
-            kernel, a, b = (
-                leaf.unbox() if isinstance(leaf, nn.meta.AxisMetadata) else leaf
-                for leaf in (boxed, value["lora_a"], value["lora_b"])
-            )
-            stack = a.ndim + b.ndim - 2 - kernel.ndim
-            a_flat = a.reshape(*a.shape[:stack], -1, a.shape[-1])
-            b_flat = b.reshape(*b.shape[: stack + 1], -1)
-            update = jnp.matmul(a_flat.astype(jnp.float32), b_flat.astype(jnp.float32)).reshape(kernel.shape)
-            new_kernel = (kernel + update * alpha_over_rank).astype(kernel.dtype)
-            rest = {k: v for k, v in value.items() if k not in ("lora_a", "lora_b", "kernel")}
-            kernel_leaf = boxed.replace_boxed(new_kernel) if isinstance(boxed, nn.meta.AxisMetadata) else new_kernel
-            merged[name] = {**rest, "kernel": kernel_leaf}
-        elif isinstance(value, Mapping):
-            merged[name] = merge_lora(value, alpha_over_rank)
-        else:
-            merged[name] = value
-    return merged
 
 
 @dataclasses.dataclass(frozen=True)
@@ -333,11 +211,7 @@ class Attention(nn.Module):
             cos, sin = _rope_tables(options, (h, w), head_dim, num_prefix, self.window_size)
             interleaved = options.rope == "eva02"
             q, k = (rotate(t, jnp.asarray(cos), jnp.asarray(sin), interleaved) for t in (q, k))
-        # Logits and softmax in float32: bf16 loses the small differences that
-        # decide attention over thousands of tokens.
-        logits = jnp.einsum("bqhd,bkhd->bhqk", q, k, preferred_element_type=jnp.float32) * head_dim**-0.5
-        weights = jax.nn.softmax(logits, axis=-1).astype(self.dtype)
-        out = nn.with_logical_constraint(jnp.einsum("bhqk,bkhd->bqhd", weights, v), HEAD_AXES)
+        out = attention(q, k, v)
         out = Projection(
             (embed,), ("heads", "kv", "embed"), ("norm",), contract=2, dtype=self.dtype, **lora, name="out"
         )(out)
@@ -346,40 +220,6 @@ class Attention(nn.Module):
             return _window_unpartition(out, self.window_size, padded_hw, (h, w)), None
         prefix_out = out[:, :num_prefix] if num_prefix else None
         return out[:, num_prefix:].reshape(b, h, w, embed), prefix_out
-
-
-class Mlp(nn.Module):
-    """`[..., E] -> [..., E]`: fc1, GELU or SwiGLU, optional LayerNorm over the hidden units, fc2.
-
-    GELU: fc1 kernel `[E, hidden]`. SwiGLU: fc1 kernel `[E, 2, hidden]`, bias
-    `[2, hidden]`, index 0 the gate: `silu(x @ W0 + b0) * (x @ W1 + b1)`.
-    fc2 kernel `[hidden, E]`.
-    """
-
-    hidden: int
-    dtype: Any = jnp.float32
-    kind: str = "gelu"
-    norm: bool = False
-    norm_epsilon: float = 1e-6
-    lora_rank: int = 0
-    lora_alpha: float = 1.0
-
-    @nn.compact
-    def __call__(self, x: jax.Array) -> jax.Array:
-        shape = x.shape
-        tokens = x.reshape(shape[0], -1, shape[-1])
-        lora = dict(lora_rank=self.lora_rank, lora_alpha=self.lora_alpha, dtype=self.dtype)
-        if self.kind == "swiglu":
-            y = Projection((2, self.hidden), ("embed", None, "mlp"), (None, "mlp"), **lora, name="fc1")(tokens)
-            y = nn.silu(y[:, :, 0]) * y[:, :, 1]
-        else:
-            y = Projection((self.hidden,), ("embed", "mlp"), ("mlp",), **lora, name="fc1")(tokens)
-            y = nn.gelu(y, approximate=False)
-        y = nn.with_logical_constraint(y, MLP_AXES)
-        if self.norm:
-            y = HiddenNorm(self.norm_epsilon, self.dtype, name="norm")(y)
-        y = Projection((shape[-1],), ("mlp", "embed"), ("norm",), **lora, name="fc2")(y)
-        return y.reshape(shape)
 
 
 class Block(nn.Module):
@@ -617,12 +457,16 @@ class ViT(nn.Module):
         """`images [B, H, W, 3]` -> the last block's patch tokens `[B, H/p, W/p, E]` (final-normed unless
         `final_norm` is False; prefix tokens dropped)."""
         self._check()
+        height, width = images.shape[1:3]
         x = conv(
             self.embed_dim,
             self.patch_size,
             self.patch_size,
             dtype=self.dtype,
             kernel_init=nn.initializers.lecun_normal(),
+            # An image short of whole patches (patch 14 at 1024 px) gets zeros below and right, as timm's
+            # dynamic_img_pad pads it: 'SAME' would split them between both sides and shift every patch.
+            padding=((0, -height % self.patch_size), (0, -width % self.patch_size)),
             name="patch_embed",
         )(images.astype(self.dtype))
         b = x.shape[0]

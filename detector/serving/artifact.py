@@ -31,7 +31,7 @@ from etils import epath
 from jax.experimental import multihost_utils
 
 from detector.errors import ConfigError
-from detector.models import families, vit
+from detector.models import families, transformer
 from detector.serving.predictor import Predictor, network_input
 from input_pipeline import transforms
 
@@ -72,7 +72,10 @@ def detection_function(predictor: Predictor) -> Callable[[jax.Array, jax.Array],
     if backbone.get("lora_rank", 0):
         # The program is the plain backbone: each low-rank adapter folded into
         # its kernel once here, not two extra matmuls per projection per call.
-        params = {**params, "backbone": vit.merge_lora(params["backbone"], backbone.lora_alpha / backbone.lora_rank)}
+        params = {
+            **params,
+            "backbone": transformer.merge_lora(params["backbone"], backbone.lora_alpha / backbone.lora_rank),
+        }
         config = copy.deepcopy(config)
         with config.unlocked():
             config.model.backbone.lora_rank = 0

@@ -12,7 +12,8 @@ import pytest
 
 from detector.errors import ConfigError
 from detector.models.necks import SimpleFeaturePyramid
-from detector.models.vit import Block, ViT, _window_partition, _window_unpartition, merge_lora, rope_angles, rotate
+from detector.models.transformer import merge_lora
+from detector.models.vit import Block, ViT, _window_partition, _window_unpartition, rope_angles, rotate
 
 
 def tiny_vit(**overrides) -> ViT:
