@@ -15,7 +15,8 @@ import jax
 
 import sharding
 from benchmarks.synthetic import random_batch
-from detector.training import optim, steps, train_compile
+from detector.training import steps
+from detector.training.run import create_run
 from detector.training.train_state import init_train_state
 from sharding import step_plan
 
@@ -43,24 +44,15 @@ class TrainStep:
 def build(config, num_classes: int, devices=None) -> TrainStep:
     """Compiles `config`'s train step on `devices` (default: all) and initialises its state."""
     mesh = sharding.create_mesh(config.mesh, devices)
-    rules = sharding.logical_rules(config.sharding)
     sharding.check_global_batch(config.global_batch_size, mesh)
-    model = train_compile.create_training_model(config, num_classes, mesh)
-    tx, schedule = optim.create_optimizer(config.optimizer, config.total_steps, model_config=config.model)
-    batch_sharding = sharding.batch_sharding(mesh, sharding.batch_axes(mesh))
-    with sharding.use_mesh(mesh, rules):
+    run = create_run(config, num_classes, mesh, training=True)
+    batch_sharding = run.batch_sharding
+    with sharding.use_mesh(mesh, run.rules):
         start = time.perf_counter()
-        compiled, abstract_state, shardings = steps.compile_train_step(
-            config, model, tx, schedule, num_classes=num_classes, mesh=mesh, rules=rules
-        )
+        compiled, abstract_state, shardings = steps.compile_train_step(run)
         compile_seconds = time.perf_counter() - start
         state = init_train_state(
-            model,
-            tx,
-            tuple(config.input.image_size),
-            shardings,
-            jax.random.key(0),
-            trainable=optim.trainable_parameters(config.model),
+            run.model, run.tx, run.image_size, shardings, jax.random.key(0), trainable=run.trainable
         )
     abstract_batch = steps.abstract_batch(config, config.global_batch_size, batch_sharding, training=True)
     plan = step_plan.plan_from_compiled(

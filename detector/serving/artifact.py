@@ -65,7 +65,8 @@ def detection_function(predictor: Predictor) -> Callable[[jax.Array, jax.Array],
     LoRA adapters (`model.backbone.lora_rank` > 0) runs with them merged into
     its kernels: the plain backbone, computing what the adapted one does.
     """
-    config, model = predictor.config, predictor.model
+    config = predictor.config
+    family_detect = predictor.run.objective.detect
     params = _host_params(predictor.params)
     num_classes = predictor.dataset_info.num_classes
     backbone = config.model.backbone
@@ -80,8 +81,8 @@ def detection_function(predictor: Predictor) -> Callable[[jax.Array, jax.Array],
         with config.unlocked():
             config.model.backbone.lora_rank = 0
             config.model.backbone.training = "full"
-        model = families.create_model(config, num_classes)
-    family_detect = families.objective(config, model, num_classes).detect
+        # Another network (no adapters): its own objective.
+        family_detect = families.objective(config, families.create_model(config, num_classes), num_classes).detect
 
     def detect(images: jax.Array, image_hw: jax.Array) -> dict[str, jax.Array]:
         outputs = family_detect(params, images, image_hw)

@@ -16,7 +16,6 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
-import flax.linen as nn
 import jax
 import ml_collections
 import numpy as np
@@ -27,9 +26,9 @@ from PIL import Image, ImageOps, UnidentifiedImageError
 import input_pipeline
 import sharding
 from detector.errors import ConfigError
-from detector.models import families
 from detector.serving import coco_evaluation, drawing
 from detector.training import checkpointing, steps
+from detector.training.run import Run, create_run
 from detector.training.train_state import params_shardings
 from input_pipeline import batch as batch_layout
 from input_pipeline import transforms
@@ -42,7 +41,7 @@ class Predictor:
 
     Attributes:
       config: the training config, its `global_batch_size` and `eval_batch_size` set to batch_size.
-      model: the Flax module.
+      run: the prediction run (its network, `run.predict_model`, and objective).
       mesh: the device mesh from `config.mesh`.
       batch_sharding: NamedSharding of a global batch over the mesh's data axes.
       params: the restored parameters, sharded.
@@ -53,7 +52,7 @@ class Predictor:
     """
 
     config: ml_collections.ConfigDict
-    model: nn.Module
+    run: Run
     mesh: jax.sharding.Mesh
     batch_sharding: jax.sharding.NamedSharding
     params: Any
@@ -98,24 +97,16 @@ def load_predictor(
             "with; use --checkpoint=last or a step for the raw ones"
         )
     mesh = sharding.create_mesh(config.mesh)
-    rules = sharding.logical_rules(config.sharding)
     sharding.check_global_batch(batch_size, mesh)
     dataset_info = input_pipeline.get_dataset_info(config)
-    # No gradients to reduce: left at one data-parallel device, the head packs
-    # its levels only under model.head_level_packing="always".
-    model = families.create_model(config, dataset_info.num_classes)
-    with sharding.use_mesh(mesh, rules):
-        abstract_params, shardings = params_shardings(model, tuple(config.input.image_size), mesh, rules)
+    # No gradients to reduce: the head packs its levels only under model.head_level_packing="always".
+    run = create_run(config, dataset_info.num_classes, mesh, training=False)
+    with sharding.use_mesh(mesh, run.rules):
+        abstract_params, shardings = params_shardings(run.predict_model, run.image_size, mesh, run.rules)
         params, step = checkpointing.restore_params(workdir, checkpoint, abstract_params, ema=use_ema)
         start = time.perf_counter()
         predict = steps.compile_predict_step(
-            config,
-            model,
-            num_classes=dataset_info.num_classes,
-            abstract_params=abstract_params,
-            param_shardings=shardings,
-            mesh=mesh,
-            batch_size=batch_size,
+            run, abstract_params=abstract_params, param_shardings=shardings, batch_size=batch_size
         )
     logging.info(
         "loaded the %sparameters of step %d (%s) from %s; compiled predict for batches of %d in %.1fs",
@@ -128,9 +119,9 @@ def load_predictor(
     )
     return Predictor(
         config=input_pipeline.with_batch_size(config, batch_size),
-        model=model,
+        run=run,
         mesh=mesh,
-        batch_sharding=sharding.batch_sharding(mesh, sharding.batch_axes(mesh)),
+        batch_sharding=run.batch_sharding,
         params=params,
         step=step,
         predict=predict,

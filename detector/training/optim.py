@@ -13,7 +13,7 @@ import optax
 from flax import traverse_util
 
 from detector.errors import ConfigError
-from detector.models.resnet import check_norm, frozen_parameter_mask
+from detector.models import backbones
 
 
 def learning_rate_schedule(optimizer_config, total_steps: int) -> optax.Schedule:
@@ -61,7 +61,7 @@ def backbone_training(model_config) -> str:
     if mode not in BACKBONE_TRAINING:
         raise ConfigError(f"model.backbone.training={mode!r}; use one of {', '.join(map(repr, BACKBONE_TRAINING))}")
     rank = backbone.get("lora_rank", 0)  # a ResNet has no adapters, so no key
-    if mode == "lora" and not (backbone.name == "vit" and rank > 0):
+    if mode == "lora" and not rank > 0:
         raise ConfigError(
             f"model.backbone.training='lora' needs a ViT backbone with model.backbone.lora_rank > 0 (here "
             f"name={backbone.name!r}, lora_rank={rank}); use 'frozen' or 'full' for other backbones"
@@ -91,27 +91,22 @@ def trainable_parameters(model_config) -> Callable[[tuple[str, ...]], bool] | No
 def frozen_parameters(model_config):
     """`params -> tree of bools` (True: keep fixed) for `config.model`, or None when every parameter trains.
 
-    Frozen: a ResNet's frozen-BatchNorm parameters (`model.backbone.norm ==
-    'frozen_bn'`) and its first `model.backbone.freeze_stages` stages (see
-    `detector.models.resnet.frozen_parameter_mask`). Other backbones freeze
+    Frozen: what the backbone's kind holds fixed (`backbones.Backbone.frozen_parameters`:
+    a ResNet's frozen-BatchNorm parameters with `model.backbone.norm == 'frozen_bn'`
+    and its first `model.backbone.freeze_stages` stages). Other backbones freeze
     nothing, and neither does a backbone outside `model.backbone.training="full"`,
     whose parameters `trainable_parameters` leaves out of training altogether.
     """
     backbone_config = model_config.backbone
-    if backbone_config.name != "resnet" or backbone_training(model_config) != "full":
+    kind = backbones.backbone_kind(backbone_config)
+    if kind.frozen_parameters is None or backbone_training(model_config) != "full":
         return None
-    norm = backbone_config.norm
-    freeze_stages = backbone_config.freeze_stages
-    check_norm(norm)
-    if not isinstance(freeze_stages, int) or freeze_stages < 0:
-        raise ConfigError(f"model.backbone.freeze_stages={freeze_stages!r}; use an integer >= 0")
-    if norm != "frozen_bn" and freeze_stages == 0:
+    backbone_mask = kind.frozen_parameters(backbone_config)
+    if backbone_mask is None:
         return None
 
     def mask(params):
-        frozen = traverse_util.flatten_dict(
-            frozen_parameter_mask(params["backbone"], norm=norm, freeze_stages=freeze_stages)
-        )
+        frozen = traverse_util.flatten_dict(backbone_mask(params["backbone"]))
         return traverse_util.unflatten_dict(
             {path: path[0] == "backbone" and frozen[path[1:]] for path in traverse_util.flatten_dict(params)}
         )
@@ -121,37 +116,6 @@ def frozen_parameters(model_config):
 
 def _path_string(path) -> str:
     return "/".join(str(getattr(key, "key", key)) for key in path)
-
-
-def _vit_block_ids(path: str, shape: tuple[int, ...], depth: int, global_every: int) -> np.ndarray | int | None:
-    """Block index (0-based) of a ViT parameter, broadcastable against `shape`; -1: embeddings; None: above.
-
-    Scanned stacks hold several blocks in one array: `stages/windowed/...` is
-    `[stages, windowed per stage, ...]` and `stages/global/...` is
-    `[stages, ...]`; unrolled ones are `stage{s}/windowed{j}/...` and
-    `stage{s}/global/...`. Stage s holds blocks s*g .. s*g + g - 1 (g =
-    global_attention_every), its global block last.
-    """
-    parts = path.split("/")[1:]  # below "backbone"
-    if parts[0] in ("patch_embed", "pos_embed", "class_pos_embed", "cls_token", "reg_token"):
-        return -1
-    g = global_every
-    if parts[0] == "stages":  # scanned stages
-        stages = depth // g
-        if parts[1] == "windowed":
-            ids = np.arange(stages)[:, None] * g + np.arange(g - 1)[None, :]
-        else:
-            ids = np.arange(stages) * g + g - 1
-        return ids.reshape(ids.shape + (1,) * (len(shape) - ids.ndim))
-    match = re.fullmatch(r"stage(\d+)", parts[0])
-    if match:
-        stage = int(match.group(1))
-        if parts[1] == "windowed":  # windowed blocks scanned inside an unrolled stage
-            ids = stage * g + np.arange(g - 1)
-            return ids.reshape(ids.shape + (1,) * (len(shape) - 1))
-        block = re.fullmatch(r"windowed(\d+)", parts[1])
-        return stage * g + (int(block.group(1)) if block else g - 1)
-    return None
 
 
 def learning_rate_multipliers(optimizer_config, model_config) -> Callable[[Any], Any] | None:
@@ -170,23 +134,25 @@ def learning_rate_multipliers(optimizer_config, model_config) -> Callable[[Any],
     decay = float(optimizer_config.layer_decay)
     if not 0.0 < decay <= 1.0:
         raise ConfigError(f"optimizer.layer_decay={decay}; use a value in (0, 1] (1.0: off)")
-    is_vit = model_config is not None and model_config.backbone.name == "vit"
-    if decay != 1.0 and not is_vit:
-        raise ConfigError(
-            f"optimizer.layer_decay={decay} needs a ViT backbone (model.backbone.name='vit'); "
-            "use optimizer.lr_multipliers for other backbones"
-        )
-    if not rules and decay == 1.0:
+    exponents = None
+    if decay != 1.0:
+        kind = backbones.backbone_kind(model_config.backbone) if model_config is not None else None
+        if kind is None or kind.layer_decay is None:
+            raise ConfigError(
+                f"optimizer.layer_decay={decay} needs a ViT backbone (model.backbone.name='vit'); "
+                "use optimizer.lr_multipliers for other backbones"
+            )
+        exponents = kind.layer_decay(model_config.backbone)
+    if not rules and exponents is None:
         return None
 
     def multiplier_of(path, leaf) -> Any:
         name = _path_string(path)
         scale = next((m for pattern, m in rules if pattern.fullmatch(name)), 1.0)
-        if decay != 1.0 and name.startswith("backbone/"):
-            backbone = model_config.backbone
-            block = _vit_block_ids(name, leaf.shape, backbone.depth, backbone.global_attention_every)
-            if block is not None:
-                scale = scale * np.power(decay, backbone.depth - np.asarray(block)).astype(np.float32)
+        if exponents is not None and name.startswith("backbone/"):
+            exponent = exponents(tuple(name.split("/")[1:]), leaf.shape)
+            if exponent is not None:
+                scale = scale * np.power(decay, exponent).astype(np.float32)
         return scale
 
     return lambda params: jax.tree_util.tree_map_with_path(multiplier_of, params)
@@ -212,8 +178,12 @@ def scale_by_multipliers(multipliers: Callable[[Any], Any]) -> optax.GradientTra
     return optax.GradientTransformation(lambda params: optax.EmptyState(), update)
 
 
+# `create_optimizer`'s default: derive the frozen parameters from `model_config`.
+_FROM_MODEL_CONFIG = object()
+
+
 def create_optimizer(
-    optimizer_config, total_steps: int, *, model_config=None
+    optimizer_config, total_steps: int, *, model_config=None, frozen=_FROM_MODEL_CONFIG
 ) -> tuple[optax.GradientTransformation, optax.Schedule]:
     """Returns (optimizer, schedule). Names: 'adamw' or 'sgd' (momentum, decoupled decay).
 
@@ -223,7 +193,8 @@ def create_optimizer(
     scale each parameter's final update. Under `model.backbone.training`
     "frozen" or "lora" the optimizer is initialised and updated over the
     trainable parameters alone (`train_state.select_params` with
-    `trainable_parameters`): it holds no state for the others.
+    `trainable_parameters`): it holds no state for the others. `frozen`:
+    `frozen_parameters(model_config)` when the caller has it already.
     """
     schedule = learning_rate_schedule(optimizer_config, total_steps)
     name = optimizer_config.name
@@ -244,7 +215,8 @@ def create_optimizer(
     if multipliers is not None:
         parts.append(scale_by_multipliers(multipliers))
     tx = optax.chain(*parts)
-    frozen = frozen_parameters(model_config) if model_config is not None else None
+    if frozen is _FROM_MODEL_CONFIG:
+        frozen = frozen_parameters(model_config) if model_config is not None else None
     if frozen is not None:
         # Zeroed before the optimizer, frozen gradients count neither in
         # clipping nor in momenta; zeroed after it, weight decay cannot move

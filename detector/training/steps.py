@@ -14,7 +14,6 @@ import math
 from collections.abc import Callable
 from typing import Any
 
-import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import ml_collections
@@ -23,8 +22,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 
 import sharding
 from detector.errors import ConfigError
-from detector.models import families
-from detector.training import optim
+from detector.training.run import Run
 from detector.training.train_state import TrainState, merge_params, select_params, state_shardings
 from input_pipeline import batch as batch_layout
 
@@ -254,26 +252,17 @@ def check_accumulate_steps(config: ml_collections.ConfigDict, mesh: jax.sharding
     return steps
 
 
-def compile_train_step(
-    config: ml_collections.ConfigDict,
-    model: nn.Module,
-    tx,
-    schedule,
-    *,
-    num_classes: int,
-    mesh: jax.sharding.Mesh,
-    rules,
-) -> tuple[Any, TrainState, TrainState]:
-    """Compiles `train_step` ahead of time with explicit shardings and a donated state.
+def compile_train_step(run: Run) -> tuple[Any, TrainState, TrainState]:
+    """Compiles `train_step` of a training `run` ahead of time with explicit shardings and a donated state.
 
-    Must run inside `sharding.use_mesh(mesh, rules)`.
+    Must run inside `sharding.use_mesh(run.mesh, run.rules)`.
     Returns (compiled step `(state, global_batch) -> (state, metrics)`,
     abstract state carrying its shardings, state shardings).
     """
+    config, mesh = run.config, run.mesh
     ema_decay = ema_decay_of(config.optimizer)
-    trainable = optim.trainable_parameters(config.model)
     abstract_state, shardings = state_shardings(
-        model, tx, tuple(config.input.image_size), mesh, rules, ema=ema_decay > 0, trainable=trainable
+        run.model, run.tx, run.image_size, mesh, run.rules, ema=ema_decay > 0, trainable=run.trainable
     )
     batch_axes = sharding.batch_axes(mesh)
     batch_sharding = sharding.batch_sharding(mesh, batch_axes)
@@ -281,12 +270,12 @@ def compile_train_step(
     train_fn = jax.jit(
         functools.partial(
             train_step,
-            loss=families.objective(config, model, num_classes).loss,
-            tx=tx,
-            schedule=schedule,
+            loss=run.objective.loss,
+            tx=run.tx,
+            schedule=run.schedule,
             seed=config.seed,
-            trainable=trainable,
-            frozen=optim.frozen_parameters(config.model),
+            trainable=run.trainable,
+            frozen=run.frozen,
             accumulate_steps=accumulate_steps,
             micro_batch_sharding=NamedSharding(mesh, PartitionSpec(None, batch_axes)),
             ema_decay=ema_decay,
@@ -317,24 +306,15 @@ def release_freed_heap() -> None:
         libc.malloc_trim(0)
 
 
-def compile_predict_step(
-    config: ml_collections.ConfigDict,
-    model: nn.Module,
-    *,
-    num_classes: int,
-    abstract_params: Any,
-    param_shardings: Any,
-    mesh: jax.sharding.Mesh,
-    batch_size: int,
-) -> Any:
-    """Compiles `predict_step` for global batches of `batch_size`, sharded like training.
+def compile_predict_step(run: Run, *, abstract_params: Any, param_shardings: Any, batch_size: int) -> Any:
+    """Compiles `predict_step` of `run` for global batches of `batch_size`, sharded like training.
 
-    Must run inside `sharding.use_mesh(mesh, rules)`.
+    Must run inside `sharding.use_mesh(run.mesh, run.rules)`.
     Returns the compiled `(params, global_batch) -> outputs` (see `predict_step`).
     """
-    batch_sharding = sharding.batch_sharding(mesh, sharding.batch_axes(mesh))
+    config, batch_sharding = run.config, run.batch_sharding
     predict_fn = jax.jit(
-        functools.partial(predict_step, detect=families.objective(config, model, num_classes).detect),
+        functools.partial(predict_step, detect=run.objective.detect),
         in_shardings=(param_shardings, batch_sharding),
         out_shardings=batch_sharding,
     )

@@ -7,27 +7,18 @@ step (`log_step_plan`) and refuses a step that will not fit.
 from __future__ import annotations
 
 import json
-import math
 import sys
 import time
 
-import flax.linen as nn
-import jax
 from absl import logging
 
 import sharding
-from detector.models import families
-from detector.training import optim, steps
+from detector.training import steps
+from detector.training.run import Run, create_run
 from detector.training.train_state import select_params
 from input_pipeline import datasets
 from sharding import memory
 from sharding.step_plan import GB, StepPlan, format_table, plan_from_compiled, search_fitting_mesh
-
-
-def create_training_model(config, num_classes: int, mesh: jax.sharding.Mesh) -> nn.Module:
-    """`families.create_model` for training on `mesh`, whose batch axes (data x fsdp) each gradient is reduced over."""
-    data_parallel_devices = math.prod(mesh.shape[axis] for axis in sharding.batch_axes(mesh))
-    return families.create_model(config, num_classes, data_parallel_devices=data_parallel_devices)
 
 
 def plan_train_step(config, devices=None) -> StepPlan:
@@ -36,20 +27,13 @@ def plan_train_step(config, devices=None) -> StepPlan:
     Reads no data: the number of classes comes from the dataset's registry entry.
     """
     mesh = sharding.create_mesh(config.mesh, devices)
-    rules = sharding.logical_rules(config.sharding)
     sharding.check_global_batch(config.global_batch_size, mesh)
-    num_classes = len(datasets.class_names(config))
-    model = create_training_model(config, num_classes, mesh)
-    tx, schedule = optim.create_optimizer(config.optimizer, config.total_steps, model_config=config.model)
+    run = create_run(config, len(datasets.class_names(config)), mesh, training=True)
     start = time.perf_counter()
-    with sharding.use_mesh(mesh, rules):
-        compiled, abstract_state, _ = steps.compile_train_step(
-            config, model, tx, schedule, num_classes=num_classes, mesh=mesh, rules=rules
-        )
+    with sharding.use_mesh(mesh, run.rules):
+        compiled, abstract_state, _ = steps.compile_train_step(run)
     seconds = time.perf_counter() - start
-    batch = steps.abstract_batch(
-        config, config.global_batch_size, sharding.batch_sharding(mesh, sharding.batch_axes(mesh)), training=True
-    )
+    batch = steps.abstract_batch(config, config.global_batch_size, run.batch_sharding, training=True)
     return plan_from_compiled(
         compiled,
         abstract_state,
@@ -57,22 +41,22 @@ def plan_train_step(config, devices=None) -> StepPlan:
         dict(mesh.shape),
         config.global_batch_size,
         seconds,
-        trained_params=select_params(abstract_state.params, optim.trainable_parameters(config.model)),
+        trained_params=select_params(abstract_state.params, run.trainable),
     )
 
 
-def log_step_plan(config, compiled_train, abstract_state, mesh: jax.sharding.Mesh) -> None:
+def log_step_plan(run: Run, compiled_train, abstract_state) -> None:
     """Logs the per-device table of a compiled train step and raises MeshError when it cannot fit the device."""
     report = memory.memory_report(compiled_train)
     if report is not None:
-        batch_sharding = sharding.batch_sharding(mesh, sharding.batch_axes(mesh))
+        config = run.config
         step_plan = plan_from_compiled(
             compiled_train,
             abstract_state,
-            steps.abstract_batch(config, config.global_batch_size, batch_sharding, training=True),
-            dict(mesh.shape),
+            steps.abstract_batch(config, config.global_batch_size, run.batch_sharding, training=True),
+            dict(run.mesh.shape),
             config.global_batch_size,
-            trained_params=select_params(abstract_state.params, optim.trainable_parameters(config.model)),
+            trained_params=select_params(abstract_state.params, run.trainable),
         )
         logging.info("train step %s; per device:\n%s", report.describe(), format_table([step_plan]))
     memory.check_fits(report, memory.device_memory_limit_bytes())

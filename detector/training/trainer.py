@@ -15,20 +15,19 @@ from typing import Any
 import jax
 import ml_collections
 import numpy as np
-import optax
 from absl import logging
 from etils import epath
 from jax.experimental import multihost_utils
 
 import input_pipeline
 import sharding
-from detector.models import families
 from detector.models.weights import load_backbone_params
-from detector.training import checkpointing, optim, preemption, steps, workdir_lock
+from detector.training import checkpointing, preemption, steps, workdir_lock
 from detector.training.evaluator import EvaluationInterrupted, Evaluator
 from detector.training.metric_writers import MetricWriter
 from detector.training.monitors import DataReport, MetricWindow, NonFiniteSteps
-from detector.training.train_compile import create_training_model, log_step_plan
+from detector.training.run import Run, create_run
+from detector.training.train_compile import log_step_plan
 from detector.training.train_state import (
     TrainState,
     count_params,
@@ -55,22 +54,21 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict[
 def _train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict[str, float] | None:
     is_primary = jax.process_index() == 0
     workdir_path = _prepare_workdir(config, workdir, is_primary)
-    mesh, rules = _create_mesh(config)
+    mesh = _create_mesh(config)
     # Checked before the dataset is read: a bad input option fails in seconds,
     # not after the minutes a first run spends preparing the splits.
     input_pipeline.TransformOptions.from_config(config)
     dataset_info = input_pipeline.get_dataset_info(config)
     data_report = DataReport(config, workdir_path, enabled=is_primary)
-    model = create_training_model(config, dataset_info.num_classes, mesh)
-    tx, schedule = optim.create_optimizer(config.optimizer, config.total_steps, model_config=config.model)
-    programs = _compile(config, model, tx, schedule, dataset_info.num_classes, mesh, rules)
+    run = create_run(config, dataset_info.num_classes, mesh, training=True)
+    programs = _compile(run)
 
     manager = checkpointing.create_manager(workdir, max_to_keep=config.keep_checkpoints)
     best_manager = checkpointing.create_best_manager(workdir)
     writer = MetricWriter(workdir, enabled=is_primary)
     evaluate = None
     try:
-        start = _restore_or_init(config, manager, model, tx, programs)
+        start = _restore_or_init(run, manager, programs)
         writer.discard_after(start.step)
         # The stream is a function of (seed, position): a resumed run starts at
         # the checkpoint's position and sees exactly what an uninterrupted run
@@ -92,7 +90,14 @@ def _train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict
             is_primary=is_primary,
         )
         state, last_metrics, stopped_early = _train_loop(
-            config, start.state, programs.train, train_iter, mesh, manager, evaluate, writer, data_report, is_primary
+            run,
+            programs.train,
+            start.state,
+            train_iter,
+            manager=manager,
+            evaluate=evaluate,
+            writer=writer,
+            data_report=data_report,
         )
         if not stopped_early:
             checkpointing.export_params(workdir, evaluated_params(state))
@@ -122,10 +127,9 @@ def _prepare_workdir(config: ml_collections.ConfigDict, workdir: str, is_primary
     return path
 
 
-def _create_mesh(config: ml_collections.ConfigDict) -> tuple[jax.sharding.Mesh, sharding.LogicalRules]:
-    """The config's mesh and logical rules, with both global batch sizes checked against it."""
+def _create_mesh(config: ml_collections.ConfigDict) -> jax.sharding.Mesh:
+    """The config's mesh, with both global batch sizes checked against it."""
     mesh = sharding.create_mesh(config.mesh)
-    rules = sharding.logical_rules(config.sharding)
     per_device_batch = sharding.check_global_batch(config.global_batch_size, mesh)
     sharding.check_global_batch(config.eval_batch_size, mesh)
     logging.info(
@@ -135,7 +139,7 @@ def _create_mesh(config: ml_collections.ConfigDict) -> tuple[jax.sharding.Mesh, 
         jax.process_count(),
         per_device_batch,
     )
-    return mesh, rules
+    return mesh
 
 
 @dataclasses.dataclass(frozen=True)
@@ -149,22 +153,16 @@ class _Programs:
     batch_sharding: jax.sharding.NamedSharding
 
 
-def _compile(config, model, tx, schedule, num_classes: int, mesh, rules) -> _Programs:
+def _compile(run: Run) -> _Programs:
     """Compiles the train and predict steps ahead of time; logs and checks the train step's memory."""
-    with sharding.use_mesh(mesh, rules):
+    config = run.config
+    with sharding.use_mesh(run.mesh, run.rules):
         compile_start = time.perf_counter()
-        train, abstract_state, state_shardings = steps.compile_train_step(
-            config, model, tx, schedule, num_classes=num_classes, mesh=mesh, rules=rules
-        )
+        train, abstract_state, state_shardings = steps.compile_train_step(run)
         predict = steps.compile_predict_step(
-            config,
-            # The same parameters; prediction reduces no gradients, so the
-            # head's level packing ("auto") would be pure cost there.
-            families.create_model(config, num_classes),
-            num_classes=num_classes,
+            run,
             abstract_params=abstract_state.params,
             param_shardings=state_shardings.params,
-            mesh=mesh,
             batch_size=config.eval_batch_size,
         )
         logging.info("compiled train and predict steps in %.1fs", time.perf_counter() - compile_start)
@@ -172,15 +170,15 @@ def _compile(config, model, tx, schedule, num_classes: int, mesh, rules) -> _Pro
         "model: %s, %.2fM parameters, %s per image",
         config.model.name,
         count_params(abstract_state.params) / 1e6,
-        families.objective(config, model, num_classes).outputs_per_image,
+        run.objective.outputs_per_image,
     )
-    log_step_plan(config, train, abstract_state, mesh)
+    log_step_plan(run, train, abstract_state)
     return _Programs(
         train=train,
         predict=predict,
         abstract_state=abstract_state,
         state_shardings=state_shardings,
-        batch_sharding=sharding.batch_sharding(mesh, sharding.batch_axes(mesh)),
+        batch_sharding=run.batch_sharding,
     )
 
 
@@ -191,8 +189,9 @@ class _Start:
     input_position: int
 
 
-def _restore_or_init(config, manager, model, tx: optax.GradientTransformation, programs: _Programs) -> _Start:
+def _restore_or_init(run: Run, manager, programs: _Programs) -> _Start:
     """Resumes from the newest checkpoint, or initialises the state sharded (and loads pretrained weights)."""
+    config = run.config
     restored = checkpointing.restore_latest(manager, programs.abstract_state)
     if restored is not None:
         state, metadata = restored
@@ -201,12 +200,12 @@ def _restore_or_init(config, manager, model, tx: optax.GradientTransformation, p
         logging.info("resuming from step %d at input position %d", step, position)
         return _Start(state, step, position)
     state = init_train_state(
-        model,
-        tx,
-        tuple(config.input.image_size),
+        run.model,
+        run.tx,
+        run.image_size,
         programs.state_shardings,
         jax.random.key(config.seed),
-        trainable=optim.trainable_parameters(config.model),
+        trainable=run.trainable,
     )
     pretrained = config.model.backbone.pretrained
     if pretrained:
@@ -227,9 +226,10 @@ def _restore_or_init(config, manager, model, tx: optax.GradientTransformation, p
 
 
 def _train_loop(
-    config, state, train_step, train_iter, mesh, manager, evaluate: Evaluator, writer, data_report, is_primary
+    run: Run, train_step, state: TrainState, train_iter, *, manager, evaluate: Evaluator, writer, data_report
 ) -> tuple[TrainState, dict[str, float] | None, bool]:
     """Steps from the state's step to `config.total_steps`; returns (state, last eval metrics, stopped early)."""
+    config, mesh, is_primary = run.config, run.mesh, jax.process_index() == 0
     start_step = int(jax.device_get(state.step))
     total_steps = config.total_steps
     batch_axes = sharding.batch_axes(mesh)

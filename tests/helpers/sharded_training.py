@@ -17,6 +17,7 @@ from configs import default
 from detector.models import dino, families
 from detector.ops import deformable_attention, matching
 from detector.training import optim, steps
+from detector.training.run import create_run
 from detector.training.train_state import TrainState, describe_param_shardings, select_params, state_shardings
 from sharding.collectives import parse_collectives, summarize
 from sharding.memory import memory_report
@@ -82,20 +83,16 @@ def train_on_mesh(config, mesh_shape, initial_params, batches, num_classes: int)
     """
     devices = jax.devices()[: math.prod(mesh_shape)]
     mesh = sharding.create_mesh(dict(zip(sharding.MESH_AXES, mesh_shape)), devices=devices)
-    rules = sharding.logical_rules(config.sharding)
-    model = families.create_model(config, num_classes)
-    tx, schedule = optim.create_optimizer(config.optimizer, config.total_steps, model_config=config.model)
-    with sharding.use_mesh(mesh, rules):
-        compiled, _, shardings = steps.compile_train_step(
-            config, model, tx, schedule, num_classes=num_classes, mesh=mesh, rules=rules
-        )
+    run = create_run(config, num_classes, mesh, training=True)
+    with sharding.use_mesh(mesh, run.rules):
+        compiled, _, shardings = steps.compile_train_step(run)
         # From host copies: the step donates its state, so every run needs its own buffers.
         params = jax.device_put(jax.device_get(initial_params), shardings.params)
-        trained = select_params(params, optim.trainable_parameters(config.model))
+        trained = select_params(params, run.trainable)
         state = TrainState(
             step=jax.device_put(np.int32(0), shardings.step),
             params=params,
-            opt_state=jax.jit(tx.init, out_shardings=shardings.opt_state)(trained),
+            opt_state=jax.jit(run.tx.init, out_shardings=shardings.opt_state)(trained),
             ema_params=None
             if shardings.ema_params is None
             else jax.device_put(jax.device_get(trained), shardings.ema_params),

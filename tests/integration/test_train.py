@@ -191,14 +191,32 @@ def test_background_scores_land_with_their_step_while_training_goes_on(reference
     )
 
 
+def counting(monkeypatch, module, name: str) -> list[int]:
+    """Replaces `module.name` by a wrapper that appends 1 to the returned list on every call."""
+    calls, original = [], getattr(module, name)
+
+    def wrapper(*args, **kwargs):
+        calls.append(1)
+        return original(*args, **kwargs)
+
+    monkeypatch.setattr(module, name, wrapper)
+    return calls
+
+
 def test_scoring_in_place_holds_the_loop_until_it_is_recorded(reference_run, tmp_path, monkeypatch):
     config = reference_run.config.copy_and_resolve_references()
     config.update_from_flattened_dict({"eval_every_steps": 2, "log_every_steps": 1, "background_scoring": False})
     fetched_when_scored = []
     _held_scoring(monkeypatch, lambda fetched: fetched_when_scored.append(len(fetched)))
+    # What the run derives from its config is built once (`training.run.Run`), whatever trains, predicts or logs.
+    built = {
+        name: counting(monkeypatch, module, name)
+        for module, name in ((optim, "trainable_parameters"), (families, "objective"))
+    }
     trainer.train_and_evaluate(config, str(tmp_path))
     assert fetched_when_scored == [2]  # the first evaluation's; no batch of step 3 was taken meanwhile
     assert [line["step"] for line in read_jsonl(tmp_path / "eval_metrics.jsonl")] == [2, 4]
+    assert {name: len(calls) for name, calls in built.items()} == {"trainable_parameters": 1, "objective": 1}
 
 
 def test_sigterm_during_a_background_scoring_records_it_once(reference_run, tmp_path, monkeypatch):

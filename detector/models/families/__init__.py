@@ -76,9 +76,17 @@ def create_model(config, num_classes: int, *, data_parallel_devices: int = 1) ->
     return family_of(config.model).create(config, num_classes, data_parallel_devices=data_parallel_devices)
 
 
-def objective(config, model: nn.Module, num_classes: int) -> Objective:
-    """The loss and detection functions of `model`, built by `create_model(config, num_classes)`."""
+def objective(config, model: nn.Module, num_classes: int, *, predict_model: nn.Module | None = None) -> Objective:
+    """The loss and detection functions of `model`, built by `create_model(config, num_classes)`.
+
+    `predict_model`: the network `detect` runs instead, with the same
+    parameters (a training run's `model` may pack its head's levels for the
+    gradient reduction, which prediction does not need).
+    """
     family = family_of(config.model).objective(config, model, num_classes)
+    detecting = (
+        family if predict_model is None else family_of(config.model).objective(config, predict_model, num_classes)
+    )
     mean_rgb, std_rgb = _normalization(config.input)
     resize_on_device = bool(config.input.resize_on_device)
     image_size = tuple(int(v) for v in config.input.image_size)
@@ -96,7 +104,7 @@ def objective(config, model: nn.Module, num_classes: int) -> Objective:
         return family.loss(params, batch, rng, normalizer)
 
     def detect(params, images, image_hw):
-        return family.detect(params, network_images(images, image_hw))
+        return detecting.detect(params, network_images(images, image_hw))
 
     return Objective(loss=loss, detect=detect, outputs_per_image=family.outputs_per_image)
 

@@ -8,7 +8,7 @@ from configs import default
 from detector.errors import ConfigError
 from detector.models import families
 from detector.models.retinanet import create_model
-from detector.training.train_compile import create_training_model
+from detector.training.run import create_run
 
 
 def _abstract_outputs(config, num_classes=4, batch=2):
@@ -78,9 +78,11 @@ def test_auto_head_level_packing_packs_for_training_split_over_several_devices(m
     assert config.model.head_level_packing == "auto"
     devices = jax.devices()[: mesh_shape["data"] * mesh_shape["fsdp"] * mesh_shape["model"]]
     mesh = sharding.create_mesh(mesh_shape, devices)
-    model = create_training_model(config, 4, mesh)
+    run = create_run(config, 4, mesh, training=True)
+    model = run.model
     assert model.head.pack_levels is packs
-    # Prediction (no mesh information) never packs under "auto".
+    # Prediction never packs under "auto".
+    assert run.predict_model.head.pack_levels is False
     assert families.create_model(config, 4).head.pack_levels is False
     # Either way the parameter tree is the same, so checkpoints load into both.
     images = jax.ShapeDtypeStruct((2, 64, 64, 3), jnp.float32)
@@ -98,7 +100,7 @@ def test_forced_head_level_packing_ignores_the_devices(choice, packs):
     config.model.head_level_packing = choice
     for devices in (1, 8):
         assert families.create_model(config, 4, data_parallel_devices=devices).head.pack_levels is packs
-    assert create_training_model(config, 4, sharding.create_mesh(config.mesh)).head.pack_levels is packs
+    assert create_run(config, 4, sharding.create_mesh(config.mesh), training=True).model.head.pack_levels is packs
 
 
 def test_unknown_head_level_packing_is_a_config_error():

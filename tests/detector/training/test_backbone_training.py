@@ -24,6 +24,7 @@ from detector.models import families
 from detector.serving import artifact
 from detector.serving.predictor import Predictor
 from detector.training import checkpointing, optim, steps, train_compile
+from detector.training.run import create_run
 from detector.training.train_state import evaluated_params, init_train_state
 from sharding import step_plan
 from sharding.collectives import parse_collectives, summarize
@@ -57,20 +58,11 @@ def _flat(tree) -> dict[str, np.ndarray]:
 
 def _compile_and_train(config, mesh, steps_to_run: int) -> types.SimpleNamespace:
     """The trainer's compiled step for `config` on `mesh`, its initial state and the state after some steps."""
-    rules = sharding.logical_rules(config.sharding)
-    model = families.create_model(config, NUM_CLASSES)
-    tx, schedule = optim.create_optimizer(config.optimizer, config.total_steps, model_config=config.model)
-    with sharding.use_mesh(mesh, rules):
-        compiled, abstract_state, shardings = steps.compile_train_step(
-            config, model, tx, schedule, num_classes=NUM_CLASSES, mesh=mesh, rules=rules
-        )
+    run = create_run(config, NUM_CLASSES, mesh, training=True)
+    with sharding.use_mesh(mesh, run.rules):
+        compiled, abstract_state, shardings = steps.compile_train_step(run)
         state = init_train_state(
-            model,
-            tx,
-            tuple(config.input.image_size),
-            shardings,
-            jax.random.key(0),
-            trainable=optim.trainable_parameters(config.model),
+            run.model, run.tx, run.image_size, shardings, jax.random.key(0), trainable=run.trainable
         )
     initial = _flat(state.params)
     for seed in range(steps_to_run):
@@ -326,7 +318,9 @@ def test_the_plan_shows_what_each_mode_trains():
 def test_a_lora_backbone_exports_with_its_adapters_merged():
     config = tiny_vit_config("lora")
     config.postprocess.score_threshold = 0.0  # every slot valid: all of them are compared
-    model = families.create_model(config, NUM_CLASSES)
+    one_device = sharding.create_mesh(dict(data=1, fsdp=1, model=1), devices=jax.devices()[:1])
+    run = create_run(config, NUM_CLASSES, one_device, training=False)
+    model = run.predict_model
     params = flax.linen.meta.unbox(
         jax.jit(model.init)(jax.random.key(0), np.zeros((1, 64, 64, 3), np.float32))["params"]
     )
@@ -344,7 +338,7 @@ def test_a_lora_backbone_exports_with_its_adapters_merged():
     )
     predictor = Predictor(
         config=config,
-        model=model,
+        run=run,
         mesh=None,
         batch_sharding=None,
         params=params,
@@ -374,14 +368,12 @@ def test_a_lora_backbone_exports_with_its_adapters_merged():
     }
     plain_config = tiny_vit_config("full")
     plain_config.postprocess.score_threshold = 0.0
-    plain = families.create_model(plain_config, NUM_CLASSES)
-    unadapted = jax.device_get(
-        jax.jit(families.objective(plain_config, plain, NUM_CLASSES).detect)(without, images, image_hw)
-    )
+    plain = create_run(plain_config, NUM_CLASSES, one_device, training=False)
+    unadapted = jax.device_get(jax.jit(plain.objective.detect)(without, images, image_hw))
     assert np.abs(unadapted["scores"] - adapted["scores"]).max() > 100 * 1e-5
     # The program is the plain backbone's: no adapter matmuls.
     plain_program = artifact.export_predictor(
-        dataclasses.replace(predictor, config=plain_config, model=plain, params=without), 2, platforms=("cpu",)
+        dataclasses.replace(predictor, config=plain_config, run=plain, params=without), 2, platforms=("cpu",)
     )
     count = "stablehlo.dot_general"
     assert exported.mlir_module().count(count) == plain_program.mlir_module().count(count)
