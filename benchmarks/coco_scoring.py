@@ -221,8 +221,8 @@ def overlap_rows(config, config_name: str, num_images: int, num_classes: int, de
     import threading
 
     from benchmarks import jax_step
+    from detector.loop.evaluator import lower_thread_priority
     from detector.serving import box_ap
-    from detector.training.evaluator import lower_thread_priority
 
     step = jax_step.build(config, num_classes=4)
     step.run(3)  # warm-up

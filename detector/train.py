@@ -15,7 +15,7 @@ from absl import flags, logging
 from ml_collections import config_flags
 
 from detector import cli
-from detector.training.trainer import train_and_evaluate
+from detector.loop.trainer import train_and_evaluate
 from sharding import distributed
 
 _CONFIG = config_flags.DEFINE_config_file("config", None, "Path to a config file (get_config()).", lock_config=True)

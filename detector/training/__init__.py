@@ -1,2 +1,2 @@
-"""Training: the loop, the jitted steps and their ahead-of-time compilation, the train state,
-the optimizer, checkpoints, preemption, metric writers, monitors and plots."""
+"""Training's parts below the loop and serving: the run (`run.Run`), the train state, the optimizer, the
+jitted steps and their ahead-of-time compilation, checkpoints."""

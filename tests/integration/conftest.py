@@ -17,7 +17,7 @@ import pytest
 from jax.experimental.compilation_cache import compilation_cache
 
 import input_pipeline
-from detector.training import trainer
+from detector.loop import trainer
 from tests.helpers.runs import once_per_run
 from tests.helpers.tiny_config import make_config
 

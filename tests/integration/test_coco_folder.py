@@ -6,8 +6,8 @@ import numpy as np
 import pytest
 
 import input_pipeline
+from detector.loop import trainer
 from detector.serving import coco_evaluation
-from detector.training import trainer
 from tests.helpers.coco_folders import CATEGORY_IDS, coco_json_overrides, write_folder
 from tests.helpers.pipeline_config import make_config as make_pipeline_config
 from tests.helpers.tiny_config import make_config as make_train_config

@@ -17,9 +17,9 @@ import numpy as np
 import pytest
 
 import input_pipeline
+from detector.loop import trainer
 from detector.serving import artifact
 from detector.serving.predictor import load_predictor
-from detector.training import trainer
 from tests.helpers import REPO_ROOT
 from tests.helpers.runs import checkpoint_steps, flat, once_per_run
 from tests.helpers.tiny_config import DINO_OVERRIDES, as_flags, make_dino_config

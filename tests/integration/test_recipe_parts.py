@@ -18,10 +18,11 @@ import pytest
 
 import input_pipeline
 import sharding
+from detector.loop import trainer
 from detector.models import families
 from detector.serving import artifact
 from detector.serving.predictor import load_predictor
-from detector.training import checkpointing, trainer
+from detector.training import checkpointing
 from tests.helpers.runs import flat
 from tests.helpers.sharded_training import (
     NUM_CLASSES,

@@ -27,9 +27,10 @@ import tensorflow as tf
 import input_pipeline
 import sharding
 from detector.errors import TrainingError
+from detector.loop import evaluator, trainer
 from detector.models import families
 from detector.models.retinanet import create_model
-from detector.training import checkpointing, evaluator, optim, trainer
+from detector.training import checkpointing, optim
 from detector.training.train_state import describe_param_shardings, state_shardings
 from tests.helpers.runs import checkpoint_steps, flat, read_jsonl
 from tests.helpers.sharded_training import abstract_state_on_mesh, assert_same_training, train_on_mesh

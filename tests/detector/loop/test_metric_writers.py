@@ -2,7 +2,7 @@
 
 import json
 
-from detector.training.metric_writers import EVAL_METRICS_FILE, TRAIN_METRICS_FILE, MetricWriter
+from detector.loop.metric_writers import EVAL_METRICS_FILE, TRAIN_METRICS_FILE, MetricWriter
 
 
 def test_resuming_drops_lines_past_the_checkpoint_and_cut_lines(tmp_path):

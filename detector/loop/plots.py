@@ -1,6 +1,6 @@
 """Training curves as PNG files under `WORKDIR/plots/`, from the workdir's metric JSON lines.
 
-Reads what :mod:`detector.training.metric_writers` writes: `train_metrics.jsonl`
+Reads what :mod:`detector.loop.metric_writers` writes: `train_metrics.jsonl`
 (`{"step": N, "loss": ..., "cls_loss": ..., "box_loss": ..., ...}`) and
 `eval_metrics.jsonl` (`{"step": N, "AP": ..., "AP50": ..., ...}`, COCO
 metrics in [0, 1]). Figures are rendered by matplotlib's Agg canvas directly,
@@ -20,7 +20,7 @@ from etils import epath
 from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
 
-from detector.training.metric_writers import EVAL_METRICS_FILE, TRAIN_METRICS_FILE
+from detector.loop.metric_writers import EVAL_METRICS_FILE, TRAIN_METRICS_FILE
 
 PLOTS_DIR = "plots"
 LOSS_PLOT_FILE = "loss.png"

@@ -21,11 +21,12 @@ from jax.experimental import multihost_utils
 
 import input_pipeline
 import sharding
+from detector.loop import preemption, workdir_lock
+from detector.loop.evaluator import EvaluationInterrupted, Evaluator
+from detector.loop.metric_writers import MetricWriter
+from detector.loop.monitors import DataReport, MetricWindow, NonFiniteSteps
 from detector.models.weights import load_backbone_params
-from detector.training import checkpointing, preemption, steps, workdir_lock
-from detector.training.evaluator import EvaluationInterrupted, Evaluator
-from detector.training.metric_writers import MetricWriter
-from detector.training.monitors import DataReport, MetricWindow, NonFiniteSteps
+from detector.training import checkpointing, steps
 from detector.training.run import Run, create_run
 from detector.training.train_compile import log_step_plan
 from detector.training.train_state import (

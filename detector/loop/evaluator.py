@@ -26,10 +26,11 @@ from jax.experimental import multihost_utils
 
 import input_pipeline
 import sharding
+from detector.loop import plots
+from detector.loop.metric_writers import MetricWriter
 from detector.serving import coco_evaluation, drawing
 from detector.serving.box_ap import CocoGroundTruth
-from detector.training import checkpointing, plots
-from detector.training.metric_writers import MetricWriter
+from detector.training import checkpointing
 from input_pipeline.progress import track
 
 # The metrics of eval_metrics.jsonl and the log line, in their order.

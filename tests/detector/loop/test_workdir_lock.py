@@ -17,14 +17,14 @@ import sys
 import pytest
 
 from detector.errors import TrainingError
-from detector.training import workdir_lock
+from detector.loop import workdir_lock
 from tests.helpers import REPO_ROOT, quick_xla_flags
 from tests.helpers.processes import free_port
 from tests.helpers.tiny_config import as_flags
 
 HOLDER = """
 import sys
-from detector.training import workdir_lock
+from detector.loop import workdir_lock
 with workdir_lock.hold_workdir(sys.argv[1]):
     print("held", flush=True)
     sys.stdin.readline()

@@ -4,8 +4,8 @@ import json
 
 from PIL import Image
 
-from detector.training.metric_writers import EVAL_METRICS_FILE, TRAIN_METRICS_FILE
-from detector.training.plots import write_training_plots
+from detector.loop.metric_writers import EVAL_METRICS_FILE, TRAIN_METRICS_FILE
+from detector.loop.plots import write_training_plots
 
 
 def _write_lines(path, records, cut_off_tail=None):

@@ -1,4 +1,4 @@
-"""The single-process signal handling of detector.training.preemption.
+"""The single-process signal handling of detector.loop.preemption.
 
 The multi-process path runs in tests/integration/test_fault_tolerance.py.
 """
@@ -8,7 +8,7 @@ import signal
 
 import pytest
 
-from detector.training.preemption import PreemptionWatch
+from detector.loop.preemption import PreemptionWatch
 
 
 @pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT])
