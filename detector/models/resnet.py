@@ -8,7 +8,8 @@ features; otherwise they pad 'SAME'. Output shapes are the same either way.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import functools
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import flax.linen as nn
@@ -211,3 +212,15 @@ def frozen_parameter_mask(backbone_params, *, norm: str = "group", freeze_stages
         )
 
     return traverse_util.unflatten_dict({path: frozen(path) for path in flat})
+
+
+def frozen_parameters(backbone_config) -> Callable | None:
+    """`backbone params -> tree of bools` (True: held fixed) for the ResNet of `config.model.backbone`, or None
+    when its `norm` and `freeze_stages` freeze nothing (see `frozen_parameter_mask`)."""
+    norm, freeze_stages = backbone_config.norm, backbone_config.freeze_stages
+    check_norm(norm)
+    if not isinstance(freeze_stages, int) or freeze_stages < 0:
+        raise ConfigError(f"model.backbone.freeze_stages={freeze_stages!r}; use an integer >= 0")
+    if norm != "frozen_bn" and freeze_stages == 0:
+        return None
+    return functools.partial(frozen_parameter_mask, norm=norm, freeze_stages=freeze_stages)

@@ -10,11 +10,9 @@ import jax
 import jax.numpy as jnp
 
 from detector.errors import ConfigError
-from detector.models import level_packing
+from detector.models import backbones, level_packing
 from detector.models.layers import constrain_activation, conv, group_norm
 from detector.models.necks import FPN, SimpleFeaturePyramid
-from detector.models.resnet import ResNet
-from detector.models.vit import ViT
 
 
 class RetinaNetHead(nn.Module):
@@ -148,15 +146,6 @@ class RetinaNet(nn.Module):
 
 HEAD_NORMS = ("group", "none")
 HEAD_LEVEL_PACKINGS = ("auto", "always", "never")
-DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
-BACKBONES = ("resnet", "vit")
-
-
-def compute_dtype(model_config) -> Any:
-    """`model.dtype` as a jnp dtype: the compute dtype (parameters, optimizer state and losses stay float32)."""
-    if model_config.dtype not in DTYPES:
-        raise ConfigError(f"model.dtype={model_config.dtype!r}; use one of {', '.join(DTYPES)}")
-    return DTYPES[model_config.dtype]
 
 
 def packs_head_levels(model_config, data_parallel_devices: int = 1) -> bool:
@@ -176,64 +165,19 @@ def packs_head_levels(model_config, data_parallel_devices: int = 1) -> bool:
     return choice == "always"
 
 
-def create_backbone(model_config, dtype: Any) -> nn.Module:
-    """The trunk `model.backbone.name` picks: 'resnet' (C2..C5) or 'vit' (one stride-16 map)."""
-    backbone_config = model_config.backbone
-    name = backbone_config.name
-    if name == "resnet":
-        return ResNet(
-            tuple(backbone_config.stage_sizes),
-            backbone_config.width,
-            backbone_config.block,
-            model_config.remat,
-            dtype,
-            norm=backbone_config.norm,
-        )
-    if name == "vit":
-        return ViT(
-            patch_size=backbone_config.patch_size,
-            embed_dim=backbone_config.embed_dim,
-            depth=backbone_config.depth,
-            num_heads=backbone_config.num_heads,
-            mlp_ratio=backbone_config.mlp_ratio,
-            window_size=backbone_config.window_size,
-            global_attention_every=backbone_config.global_attention_every,
-            pretrain_image_size=backbone_config.pretrain_image_size,
-            absolute_position=backbone_config.absolute_position,
-            rope=backbone_config.rope,
-            rope_temperature=backbone_config.rope_temperature,
-            rope_reference_grid=backbone_config.rope_reference_grid,
-            class_token=backbone_config.class_token,
-            register_tokens=backbone_config.register_tokens,
-            layer_scale=backbone_config.layer_scale,
-            mlp=backbone_config.mlp,
-            mlp_hidden=backbone_config.mlp_hidden,
-            mlp_norm=backbone_config.mlp_norm,
-            qkv_bias=backbone_config.qkv_bias,
-            norm_epsilon=backbone_config.norm_epsilon,
-            final_norm=backbone_config.final_norm,
-            lora_rank=backbone_config.lora_rank,
-            lora_alpha=backbone_config.lora_alpha,
-            remat=model_config.remat,
-            scan=backbone_config.scan,
-            dtype=dtype,
-        )
-    raise ConfigError(f"model.backbone.name={name!r}; use one of {', '.join(BACKBONES)}")
-
-
 def create_model(model_config, num_classes: int, num_anchors: int, *, data_parallel_devices: int = 1) -> RetinaNet:
     """Builds the RetinaNet from `config.model`.
 
-    `model.backbone.name` picks the trunk: 'resnet' (with an FPN neck) or 'vit'
-    (with ViTDet's simple feature pyramid); a ResNet's `model.backbone.norm`
-    picks its normalisation ('group' or 'frozen_bn'). `model.dtype` is the compute dtype;
+    `model.backbone.name` picks the trunk (`backbones.BACKBONES`): one with
+    several levels gets an FPN neck (a ResNet), one with a single stride-16
+    map ViTDet's simple feature pyramid (a ViT). `model.dtype` is the compute dtype;
     parameters, optimizer state and losses stay float32. `data_parallel_devices`
     decides `model.head_level_packing="auto"` (see `packs_head_levels`).
     """
-    dtype = compute_dtype(model_config)
-    backbone = create_backbone(model_config, dtype)
+    dtype = backbones.compute_dtype(model_config)
+    backbone = backbones.create_backbone(model_config, dtype)
     levels = dict(min_level=model_config.anchors.min_level, max_level=model_config.anchors.max_level)
-    if model_config.backbone.name == "resnet":
+    if backbones.backbone_kind(model_config.backbone).multi_level:
         neck = FPN(model_config.fpn_features, **levels, dtype=dtype)
     else:
         neck = SimpleFeaturePyramid(model_config.fpn_features, **levels, dtype=dtype)

@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import re
 from typing import Any
 
 import flax.linen as nn
@@ -122,7 +123,7 @@ def rotate(x: jax.Array, cos: jax.Array, sin: jax.Array, interleaved: bool) -> j
 
 @dataclasses.dataclass(frozen=True)
 class BlockOptions:
-    """What shapes a block beyond its heads, MLP width and window (see `ViT` for each)."""
+    """What shapes a block beyond its heads, MLP width and window: each field is the `ViT` field of its name."""
 
     mlp: str = "gelu"
     mlp_norm: bool = False
@@ -439,18 +440,8 @@ class ViT(nn.Module):
             raise ConfigError("model.backbone.lora_rank, register_tokens and mlp_hidden must not be negative")
 
     def block_options(self) -> BlockOptions:
-        return BlockOptions(
-            mlp=self.mlp,
-            mlp_norm=self.mlp_norm,
-            qkv_bias=self.qkv_bias,
-            layer_scale=self.layer_scale,
-            norm_epsilon=self.norm_epsilon,
-            rope=self.rope,
-            rope_temperature=self.rope_temperature,
-            rope_reference_grid=self.rope_reference_grid,
-            lora_rank=self.lora_rank,
-            lora_alpha=self.lora_alpha,
-        )
+        # Each block option is the ViT field of its name: a new one is a field of both, set nowhere else.
+        return BlockOptions(**{field.name: getattr(self, field.name) for field in dataclasses.fields(BlockOptions)})
 
     @nn.compact
     def patch_tokens(self, images: jax.Array) -> jax.Array:
@@ -523,3 +514,53 @@ class ViT(nn.Module):
             x = jax.image.resize(x, (x.shape[0], *size, x.shape[-1]), method="bilinear").astype(x.dtype)
             x = nn.with_logical_constraint(x, TOKEN_GRID_AXES)
         return {4: x}
+
+
+# Parameters of the ViT below its blocks: ViTDet's layer decay counts them as block -1.
+EMBEDDING_PARAMS = ("patch_embed", "pos_embed", "class_pos_embed", "cls_token", "reg_token")
+
+
+def block_ids(path: tuple[str, ...], shape: tuple[int, ...], depth: int, global_every: int) -> np.ndarray | int | None:
+    """Block index (0-based) of the ViT parameter at `path` (names below the ViT), broadcastable against `shape`;
+    -1: embeddings; None: above the blocks (the final norm).
+
+    Scanned stacks hold several blocks in one array: `stages/windowed/...` is
+    `[stages, windowed per stage, ...]` and `stages/global/...` is
+    `[stages, ...]`; unrolled ones are `stage{s}/windowed{j}/...` and
+    `stage{s}/global/...`. Stage s holds blocks s*g .. s*g + g - 1 (g =
+    global_every), its global block last.
+    """
+    if path[0] in EMBEDDING_PARAMS:
+        return -1
+    g = global_every
+    if path[0] == "stages":  # scanned stages
+        stages = depth // g
+        if path[1] == "windowed":
+            ids = np.arange(stages)[:, None] * g + np.arange(g - 1)[None, :]
+        else:
+            ids = np.arange(stages) * g + g - 1
+        return ids.reshape(ids.shape + (1,) * (len(shape) - ids.ndim))
+    match = re.fullmatch(r"stage(\d+)", path[0])
+    if match:
+        stage = int(match.group(1))
+        if path[1] == "windowed":  # windowed blocks scanned inside an unrolled stage
+            ids = stage * g + np.arange(g - 1)
+            return ids.reshape(ids.shape + (1,) * (len(shape) - 1))
+        block = re.fullmatch(r"windowed(\d+)", path[1])
+        return stage * g + (int(block.group(1)) if block else g - 1)
+    return None
+
+
+def layer_decay_exponents(backbone_config):
+    """`(path below the ViT, shape) -> exponent or None` for the ViT of `config.model.backbone`.
+
+    ViTDet's layer-wise decay: block i of a depth-D ViT learns at decay ** (D - i),
+    the embeddings at decay ** (D + 1); None (x1) for the final norm.
+    """
+    depth, global_every = backbone_config.depth, backbone_config.global_attention_every
+
+    def exponents(path: tuple[str, ...], shape: tuple[int, ...]) -> np.ndarray | None:
+        block = block_ids(path, shape, depth, global_every)
+        return None if block is None else depth - np.asarray(block)
+
+    return exponents

@@ -19,7 +19,8 @@ from jax.sharding import PartitionSpec as P
 import sharding
 from configs import common, retinanet_r50_coco
 from detector.models import families
-from detector.models.retinanet import BACKBONES, create_model
+from detector.models.backbones import BACKBONES
+from detector.models.retinanet import create_model
 from detector.training import optim, steps
 from detector.training.train_state import count_params, state_shardings
 from input_pipeline import datasets

@@ -23,7 +23,7 @@ import pytest
 
 import sharding
 from configs import common, vitdet_tiny
-from detector.models import families, retinanet
+from detector.models import backbones, families
 from detector.models.retinanet import create_model
 from detector.models.vit import ViT
 from detector.training.train_compile import plan_train_step
@@ -182,7 +182,7 @@ def test_foundation_vit_block_needs_two_all_reduces_in_the_forward_pass(training
     kernels' before the one all-reduce.
     """
     config = foundation_vit_config(training=training, lora_rank=4 if training == "lora" else 16)
-    backbone = retinanet.create_backbone(config.model, jnp.float32)
+    backbone = backbones.create_backbone(config.model, jnp.float32)
     compiled, params = _compiled_forward(backbone, config, (2, 1, 4), lambda features: features[4])
     specs = {k: str(v.sharding.spec) for k, v in flax.traverse_util.flatten_dict(params, sep="/").items()}
     assert "'model'" in specs["stages/global/mlp/fc1/kernel"] and "'model'" in specs["stages/global/mlp/fc2/kernel"]
