@@ -44,6 +44,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from detector.models.layers import relu, rematerialized
+from detector.models.query_layout import QueryLayout
 from detector.models.transformer import HEAD_AXES, TOKEN_AXES, Mlp, Projection, attention, layer_norm
 from detector.ops.box_ops import cxcywh_to_yxyx
 from detector.ops.deformable_attention import multi_scale_deformable_attention
@@ -335,27 +336,6 @@ def _gather_queries(x: jax.Array, index: jax.Array) -> jax.Array:
     return jnp.take_along_axis(x, index.reshape(*index.shape, *([1] * (x.ndim - 2))), axis=1)
 
 
-def with_one_to_many_block(mask: jax.Array | None, batch: int, num_queries: int, num_one_to_many: int) -> jax.Array:
-    """The decoder's attention mask with M one-to-many queries appended: bool `[B, T + M, T + M]`.
-
-    `mask` is `[B, T, T]` over the T = `num_queries` queries before them
-    (denoising and matching ones; None: all see all). The one-to-many queries
-    see only each other and no one sees them, so the one-to-one queries are
-    computed exactly as without them (H-DETR's hybrid branch).
-    """
-    if mask is None:
-        mask = jnp.ones((batch, num_queries, num_queries), bool)
-    top = jnp.concatenate([mask, jnp.zeros((batch, num_queries, num_one_to_many), bool)], axis=2)
-    bottom = jnp.concatenate(
-        [
-            jnp.zeros((batch, num_one_to_many, num_queries), bool),
-            jnp.ones((batch, num_one_to_many, num_one_to_many), bool),
-        ],
-        axis=2,
-    )
-    return jnp.concatenate([top, bottom], axis=1)
-
-
 class Dino(nn.Module):
     """The DINO detector.
 
@@ -365,16 +345,18 @@ class Dino(nn.Module):
       encoder_logits `[B, N, C]`, encoder_boxes `[B, N, 4]`: the selected
         encoder proposals (two-stage), trained like a decoder layer;
       with `denoising` (a dict of labels int32 `[B, D]`, boxes_cxcywh
-      `[B, D, 4]` and attention_mask bool `[B, D + N, D + N]`, see
-      `detector.ops.denoising`): denoising_logits `[K, B, D, C]` and
-      denoising_boxes `[K, B, D, 4]` too;
+      `[B, D, 4]` and group int32 `[B, D]`, each slot's denoising group or
+      -1, from `detector.ops.denoising.contrastive_denoising_queries`):
+      denoising_logits `[K, B, D, C]` and denoising_boxes `[K, B, D, 4]` too;
       with `one_to_many` (training only, `num_one_to_many_queries` M > 0):
         one_to_many_logits `[K, B, M, C]` and one_to_many_boxes `[K, B, M, 4]`
         of H-DETR's hybrid branch: M more queries with their own learned
         content, the encoder proposals ranked N+1 to N+M as references, the
-        same decoder and heads, seen by no other query (`with_one_to_many_block`).
+        same decoder and heads, seen by no other query.
         Their parameters exist whether or not a call uses them, so prediction
         and training share one parameter tree.
+    The decoder runs the queries side by side as `QueryLayout` orders them,
+    with the attention mask it gives.
     """
 
     backbone: nn.Module  # images -> {level: features}
@@ -398,7 +380,11 @@ class Dino(nn.Module):
     ) -> dict[str, jax.Array]:
         if one_to_many and not self.num_one_to_many_queries:
             raise ValueError("one_to_many=True needs num_one_to_many_queries > 0")
-        extra = self.num_one_to_many_queries if one_to_many else 0
+        layout = QueryLayout(
+            num_one_to_one=self.num_queries,
+            num_denoising=0 if denoising is None else denoising["labels"].shape[1],
+            num_one_to_many=self.num_one_to_many_queries if one_to_many else 0,
+        )
         pyramid = self.neck(self.backbone(images))
         levels = sorted(pyramid)
         spatial_shapes = tuple((int(pyramid[level].shape[1]), int(pyramid[level].shape[2])) for level in levels)
@@ -451,25 +437,31 @@ class Dino(nn.Module):
             + jnp.asarray(proposals)[None]
         )
         scores = jnp.where(jnp.asarray(proposal_valid)[None], jnp.max(proposal_logits, axis=-1), -jnp.inf)
-        # [B, N + M], best first: the one-to-one queries take the first N either way.
-        selected = select_proposals(scores, queries + extra, jax.nn.sigmoid(proposal_boxes), self.distinct_query_iou)
-        encoder_logits = _gather_queries(proposal_logits, selected[:, :queries])
+        # The queries that start from encoder proposals, best first: the one-to-one
+        # queries take the N best whether or not one-to-many ones follow.
+        proposed = layout.without("denoising")
+        selected = select_proposals(scores, proposed.total, jax.nn.sigmoid(proposal_boxes), self.distinct_query_iou)
         selected_boxes_logit = _gather_queries(proposal_boxes, selected)
-        encoder_boxes_logit = selected_boxes_logit[:, :queries]
-        reference = jax.lax.stop_gradient(jax.nn.sigmoid(selected_boxes_logit))
+        encoder_logits = _gather_queries(proposal_logits, proposed.split(selected, axis=1)["one_to_one"])
+        encoder_boxes_logit = proposed.split(selected_boxes_logit, axis=1)["one_to_one"]
+        reference = proposed.split(jax.lax.stop_gradient(jax.nn.sigmoid(selected_boxes_logit)), axis=1)
 
         content = self.param(
             "query_content", nn.with_logical_partitioning(nn.initializers.normal(1.0), (None, "norm")), (queries, embed)
         )
+        content = {"one_to_one": content}
         if self.num_one_to_many_queries:
             one_to_many_content = self.param(
                 "one_to_many_content",
                 nn.with_logical_partitioning(nn.initializers.normal(1.0), (None, "norm")),
                 (self.num_one_to_many_queries, embed),
             )
-            if extra:
-                content = jnp.concatenate([content, one_to_many_content])
-        content = jnp.broadcast_to(content.astype(self.dtype)[None], (batch, queries + extra, embed))
+            if layout.num_one_to_many:
+                content["one_to_many"] = one_to_many_content
+        content = {
+            segment: jnp.broadcast_to(learned.astype(self.dtype)[None], (batch, *learned.shape))
+            for segment, learned in content.items()
+        }
         label_embedding = nn.Embed(
             self.num_classes,
             embed,
@@ -480,19 +472,15 @@ class Dino(nn.Module):
             embedding_init=nn.with_logical_partitioning(nn.initializers.normal(1.0), (None, None)),
             name="denoising_label_embedding",
         )
-        mask = None
-        num_denoising = 0
         if denoising is not None:
-            num_denoising = denoising["labels"].shape[1]
             labels = jnp.clip(denoising["labels"], 0, self.num_classes - 1)
-            noised_content = nn.with_logical_constraint(label_embedding(labels), TOKEN_AXES)
-            content = jnp.concatenate([noised_content, content], axis=1)
-            reference = jnp.concatenate([denoising["boxes_cxcywh"].astype(jnp.float32), reference], axis=1)
-            mask = denoising["attention_mask"]
+            content["denoising"] = nn.with_logical_constraint(label_embedding(labels), TOKEN_AXES)
+            reference["denoising"] = denoising["boxes_cxcywh"].astype(jnp.float32)
         elif self.is_initializing():
             label_embedding(jnp.zeros((1, 1), jnp.int32))  # its parameters exist whether or not training denoises
-        if extra:
-            mask = with_one_to_many_block(mask, batch, num_denoising + queries, extra)
+        content = layout.concatenate(content, axis=1)
+        reference = layout.concatenate(reference, axis=1)
+        mask = layout.attention_mask(batch, None if denoising is None else denoising["group"])
 
         reference_head = PredictionMlp(embed, embed, 2, dtype=self.dtype, name="query_position_head")
         class_head = _class_head(self.num_classes, self.dtype, "class_head")
@@ -517,18 +505,15 @@ class Dino(nn.Module):
             all_boxes.append(boxes)
             previous_boxes = boxes
 
-        logits, boxes = jnp.stack(all_logits), jnp.stack(all_boxes)
-        one_to_one = slice(num_denoising, num_denoising + queries)
+        logits = layout.split(jnp.stack(all_logits), axis=2)
+        boxes = layout.split(jnp.stack(all_boxes), axis=2)
         outputs = {
-            "logits": logits[:, :, one_to_one],
-            "boxes": boxes[:, :, one_to_one],
+            "logits": logits["one_to_one"],
+            "boxes": boxes["one_to_one"],
             "encoder_logits": encoder_logits,
             "encoder_boxes": jax.nn.sigmoid(encoder_boxes_logit),
         }
-        if denoising is not None:
-            outputs["denoising_logits"] = logits[:, :, :num_denoising]
-            outputs["denoising_boxes"] = boxes[:, :, :num_denoising]
-        if extra:
-            outputs["one_to_many_logits"] = logits[:, :, num_denoising + queries :]
-            outputs["one_to_many_boxes"] = boxes[:, :, num_denoising + queries :]
+        for segment in layout.segments:
+            if segment != "one_to_one":  # the training-only segments' outputs carry the segment's name
+                outputs[f"{segment}_logits"], outputs[f"{segment}_boxes"] = logits[segment], boxes[segment]
         return outputs

@@ -1,4 +1,4 @@
-"""Contrastive denoising queries (DINO, Zhang et al. 2022) with static shapes, and their attention mask.
+"""Contrastive denoising queries (DINO, Zhang et al. 2022) with static shapes, and their groups' attention mask.
 
 During training DINO feeds the decoder, besides its N matching queries,
 noised copies of the ground truth: in each of G groups, a *positive* copy of
@@ -6,8 +6,9 @@ every ground-truth box (corners moved by less than `box_noise_scale` half
 sizes: reconstruct the box) and a *negative* one (moved by 1 to 2 half
 sizes: predict "no object"). Labels are flipped to a random class with
 probability `label_noise_ratio / 2`. The groups must not see each other
-and the matching queries must not see any of them, or the matching part
-would learn from the answers: `denoising_attention_mask` builds that mask.
+(`group_attention_mask`) and the matching queries must not see any of them,
+or the matching part would learn from the answers (the decoder's whole mask:
+`detector.models.query_layout`).
 
 The number of groups follows DINO's `dn_number`: a budget of P
 positive-negative pairs per image, filled with as many whole groups as fit,
@@ -21,7 +22,6 @@ padded ground-truth slots (`input.max_boxes`), in the order group, then the
 positive (n) and negative (n) copies of the image's real boxes; the slots
 left over are invalid (masked out of attention as keys and out of the
 losses), so images with few or no boxes cost the same program as full ones.
-Queries are laid out denoising first, then the N matching queries, as in DINO.
 """
 
 from __future__ import annotations
@@ -108,26 +108,19 @@ def contrastive_denoising_queries(
     }
 
 
-def denoising_attention_mask(group: jax.Array, num_queries: int) -> jax.Array:
-    """Which decoder queries may attend to which: bool `[B, D + N, D + N]`, True = may attend.
+def group_attention_mask(group: jax.Array) -> jax.Array:
+    """Which denoising queries may attend to which: bool `[B, D, D]`, True = may attend.
 
-    Rows are the attending queries, columns the attended ones; the D
-    denoising queries come first, then the N matching queries.
-      * Matching queries see every matching query and no denoising one.
-      * A denoising query sees its own group and every matching query.
-      * Invalid denoising slots (`group` -1) are seen by no one; each still
-        sees itself, so no softmax row is empty.
+    Rows are the attending queries, columns the attended ones. A valid query
+    sees its own group; an invalid slot (`group` -1) is seen by no other and
+    sees only itself, so no softmax row is empty. Where the denoising
+    queries sit among the decoder's others, and what they see of those:
+    `detector.models.query_layout`.
 
     Args:
       group: int32 `[B, D]` from `contrastive_denoising_queries`.
-      num_queries: N matching queries.
     """
-    batch, denoising = group.shape
-    total = denoising + num_queries
-    matching = jnp.full((batch, num_queries), -2, jnp.int32)
-    # Invalid slots get a row id and a column id that match nothing (not even each other).
-    row_group = jnp.concatenate([jnp.where(group >= 0, group, -3), matching], axis=1)
-    column_group = jnp.concatenate([group, matching], axis=1)
-    same_group = row_group[:, :, None] == column_group[:, None, :]
-    sees_matching = jnp.concatenate([jnp.zeros((denoising,), bool), jnp.ones((num_queries,), bool)])
-    return same_group | sees_matching[None, None, :] | jnp.eye(total, dtype=bool)[None]
+    # Invalid slots get a row id that matches no column (not even their own -1).
+    row_group = jnp.where(group >= 0, group, -3)
+    same_group = row_group[:, :, None] == group[:, None, :]
+    return same_group | jnp.eye(group.shape[1], dtype=bool)[None]

@@ -51,7 +51,7 @@ def ground_truth():
 
 
 def denoising_inputs(pairs: int, rng=jax.random.key(3)) -> dict[str, jax.Array]:
-    """What the DINO objective feeds the model: noised queries and their mask."""
+    """What the DINO objective feeds the model: noised queries and their groups."""
     boxes, labels = ground_truth()
     # Compiled: eagerly, each of its ops would compile a program of its own.
     queries = jax.jit(denoising.contrastive_denoising_queries, static_argnames=("denoising_pairs", "num_classes"))(
@@ -60,7 +60,7 @@ def denoising_inputs(pairs: int, rng=jax.random.key(3)) -> dict[str, jax.Array]:
     return {
         "labels": queries["labels"],
         "boxes_cxcywh": queries["boxes_cxcywh"],
-        "attention_mask": jax.jit(denoising.denoising_attention_mask, static_argnums=1)(queries["group"], NUM_QUERIES),
+        "group": queries["group"],
     }
 
 
@@ -116,7 +116,7 @@ def test_denoising_query_leaks_only_into_its_own_group(setup, outputs):
     labels[0, changed] = (labels[0, changed] + 1) % NUM_CLASSES
     boxes[0, changed] = [0.8, 0.2, 0.15, 0.25]
     dn["labels"], dn["boxes_cxcywh"] = jnp.asarray(labels), jnp.asarray(boxes)
-    assert bool(setup.dn["attention_mask"][0, 0, changed])  # a valid key that its group sees
+    assert int(setup.dn["group"][0, changed]) == int(setup.dn["group"][0, 0]) == 0  # a valid query of group 0
     after = setup.apply(setup.params, setup.images, dn)
 
     for key in ("logits", "boxes", "encoder_logits", "encoder_boxes"):
