@@ -57,7 +57,7 @@ from collections.abc import Callable
 
 import numpy as np
 
-from tests.helpers import REPO_ROOT
+from tests.helpers import REPO_ROOT, deformable_attention_inputs
 from tests.helpers.foundation_vit import dinov3_options
 
 DIRECTORY = REPO_ROOT / "tests" / "reference_outputs"
@@ -398,22 +398,11 @@ def deformable_attention_grid_sample() -> Case:
     import torch
     import torch.nn.functional as F
 
-    shapes = ((5, 7), (3, 4), (2, 1), (1, 1))
+    shapes = deformable_attention_inputs.SHAPES
     batch, queries, heads, points, head_dim = 2, 6, 3, 3, 5
-    rng = np.random.default_rng(1)
-    total = sum(h * w for h, w in shapes)
-    value = rng.normal(size=(batch, total, heads, head_dim)).astype(np.float32)
-    locations = rng.uniform(-0.3, 1.3, size=(batch, queries, heads, len(shapes), points, 2)).astype(np.float32)
-    # Exact edges, corners and pixel centres; Deformable DETR's reference points often sit there.
-    locations[0, 0, :, :, 0] = [0.0, 0.0]
-    locations[0, 0, :, :, 1] = [1.0, 1.0]
-    locations[0, 1, :, :, 0] = [0.0, 0.5]
-    for level, (height, width) in enumerate(shapes):
-        locations[0, 1, :, level, 1] = [0.5 / width, 1.5 / height]
-        locations[-1, 0, :, level, 0] = [1.0 - 0.5 / width, 0.5 / height]
-    logits = rng.normal(size=(batch, queries, heads, len(shapes) * points))
-    weights = (np.exp(logits) / np.exp(logits).sum(-1, keepdims=True)).reshape(locations.shape[:-1])
-    weights = weights.astype(np.float32)
+    value, locations, weights = deformable_attention_inputs.sampling_inputs(
+        np.random.default_rng(1), batch, queries, heads, points, head_dim, shapes
+    )
 
     value_t, locations_t, weights_t = (torch.from_numpy(a.astype(np.float64)) for a in (value, locations, weights))
     value_list = value_t.split([h * w for h, w in shapes], dim=1)

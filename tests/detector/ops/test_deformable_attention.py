@@ -11,13 +11,13 @@ from jax.sharding import PartitionSpec as P
 
 from detector.ops import deformable_attention
 from detector.ops.deformable_attention import multi_scale_deformable_attention
+from tests.helpers.deformable_attention_inputs import SHAPES, sampling_inputs
 from tests.reference_outputs import generate
 
 # Every property holds for both ways of computing the same sum.
 BOTH_METHODS = pytest.mark.parametrize("method", ["gather", "matrix"])
 
 # Non-square levels of different sizes, one a single pixel.
-SHAPES = ((5, 7), (3, 4), (2, 1), (1, 1))
 
 
 def _reference(value, shapes, locations, weights):
@@ -52,22 +52,6 @@ def _reference(value, shapes, locations, weights):
     return out.reshape(batch, queries, heads * head_dim)
 
 
-def _inputs(rng, batch=2, queries=6, heads=3, points=3, head_dim=5, shapes=SHAPES):
-    total = sum(h * w for h, w in shapes)
-    value = rng.normal(size=(batch, total, heads, head_dim)).astype(np.float32)
-    locations = rng.uniform(-0.3, 1.3, size=(batch, queries, heads, len(shapes), points, 2)).astype(np.float32)
-    # Exact edges, corners and pixel centres; Deformable DETR's reference points often sit there.
-    locations[0, 0, :, :, 0] = [0.0, 0.0]
-    locations[0, 0, :, :, 1] = [1.0, 1.0]
-    locations[0, 1, :, :, 0] = [0.0, 0.5]
-    for l, (height, width) in enumerate(shapes):
-        locations[0, 1, :, l, 1] = [0.5 / width, 1.5 / height]
-        locations[-1, 0, :, l, 0] = [1.0 - 0.5 / width, 0.5 / height]
-    logits = rng.normal(size=(batch, queries, heads, len(shapes) * points))
-    weights = np.exp(logits) / np.exp(logits).sum(-1, keepdims=True)
-    return value, locations, weights.reshape(locations.shape[:-1]).astype(np.float32)
-
-
 def _corner_status(locations, shapes):
     """Per point: 'in' (4 neighbours in the map), 'partial' or 'out' (none)."""
     status = np.empty(locations.shape[:-1], object)
@@ -83,7 +67,7 @@ def _corner_status(locations, shapes):
 
 @BOTH_METHODS
 def test_matches_loop_reference_inside_on_border_and_outside(method):
-    value, locations, weights = _inputs(np.random.default_rng(0))
+    value, locations, weights = sampling_inputs(np.random.default_rng(0))
     status = _corner_status(locations, SHAPES)
     assert {(status == s).sum() > 20 for s in ("in", "partial", "out")} == {True}
 
@@ -135,7 +119,7 @@ def test_matches_torch_grid_sample(method):
 def test_gradients_match_finite_differences_of_the_reference(method):
     shapes = ((3, 4), (2, 3), (1, 1))
     rng = np.random.default_rng(2)
-    value, _, weights = _inputs(rng, batch=1, queries=3, heads=2, points=2, head_dim=2, shapes=shapes)
+    value, _, weights = sampling_inputs(rng, batch=1, queries=3, heads=2, points=2, head_dim=2, shapes=shapes)
     # Pixel coordinates a whole number plus a fraction in [0.1, 0.9]: away from the
     # kinks where the bilinear weights (and finite differences) jump, from two pixels
     # outside the map on either side.
@@ -178,7 +162,7 @@ def test_gradients_match_finite_differences_of_the_reference(method):
 
 @BOTH_METHODS
 def test_bf16_value_is_accumulated_in_float32(method):
-    value, locations, weights = _inputs(np.random.default_rng(3))
+    value, locations, weights = sampling_inputs(np.random.default_rng(3))
     value_bf16 = jnp.asarray(value, jnp.bfloat16)
     got = multi_scale_deformable_attention(value_bf16, SHAPES, locations, weights, method)
     assert got.dtype == jnp.bfloat16
@@ -193,7 +177,7 @@ def test_bf16_value_is_accumulated_in_float32(method):
 
 @BOTH_METHODS
 def test_jit_and_vmap_and_cost_analysis(method):
-    value, locations, weights = _inputs(np.random.default_rng(4))
+    value, locations, weights = sampling_inputs(np.random.default_rng(4))
     op = functools.partial(multi_scale_deformable_attention, spatial_shapes=SHAPES, method=method)
     eager = np.asarray(op(value, sampling_locations=locations, attention_weights=weights))
 
@@ -218,7 +202,7 @@ def test_jit_and_vmap_and_cost_analysis(method):
 @BOTH_METHODS
 def test_heads_sharding_splits_the_gather_without_communication(method):
     mesh = jax.make_mesh((4,), ("model",))
-    value, locations, weights = _inputs(np.random.default_rng(5), heads=4)
+    value, locations, weights = sampling_inputs(np.random.default_rng(5), heads=4)
     heads = lambda rank: NamedSharding(mesh, P(*([None] * 2 + ["model"] + [None] * (rank - 3))))
     fn = jax.jit(
         functools.partial(multi_scale_deformable_attention, method=method),
@@ -249,7 +233,7 @@ def test_heads_sharding_splits_the_gather_without_communication(method):
 
 
 def test_auto_uses_the_sampling_matrix_for_small_maps_only():
-    value, locations, weights = _inputs(np.random.default_rng(6))
+    value, locations, weights = sampling_inputs(np.random.default_rng(6))
     lowered = lambda method: jax.jit(
         functools.partial(multi_scale_deformable_attention, method=method), static_argnums=1
     ).lower(value, SHAPES, locations, weights)
