@@ -32,15 +32,19 @@ def plan_train_step(config, devices=None) -> StepPlan:
     start = time.perf_counter()
     with sharding.use_mesh(mesh, run.rules):
         compiled, abstract_state, _ = steps.compile_train_step(run)
-    seconds = time.perf_counter() - start
-    batch = steps.abstract_batch(config, config.global_batch_size, run.batch_sharding, training=True)
+    return step_plan_of(run, compiled, abstract_state, time.perf_counter() - start)
+
+
+def step_plan_of(run: Run, compiled_train, abstract_state, compile_seconds: float = 0.0) -> StepPlan:
+    """The per-device accounting of `run`'s compiled train step (`steps.compile_train_step(run)`)."""
+    config = run.config
     return plan_from_compiled(
-        compiled,
+        compiled_train,
         abstract_state,
-        batch,
-        dict(mesh.shape),
+        steps.abstract_batch(config, config.global_batch_size, run.batch_sharding, training=True),
+        dict(run.mesh.shape),
         config.global_batch_size,
-        seconds,
+        compile_seconds,
         trained_params=select_params(abstract_state.params, run.trainable),
     )
 
@@ -49,15 +53,7 @@ def log_step_plan(run: Run, compiled_train, abstract_state) -> None:
     """Logs the per-device table of a compiled train step and raises MeshError when it cannot fit the device."""
     report = memory.memory_report(compiled_train)
     if report is not None:
-        config = run.config
-        step_plan = plan_from_compiled(
-            compiled_train,
-            abstract_state,
-            steps.abstract_batch(config, config.global_batch_size, run.batch_sharding, training=True),
-            dict(run.mesh.shape),
-            config.global_batch_size,
-            trained_params=select_params(abstract_state.params, run.trainable),
-        )
+        step_plan = step_plan_of(run, compiled_train, abstract_state)
         logging.info("train step %s; per device:\n%s", report.describe(), format_table([step_plan]))
     memory.check_fits(report, memory.device_memory_limit_bytes())
 

@@ -69,7 +69,13 @@ def _compile_and_train(config, mesh, steps_to_run: int) -> types.SimpleNamespace
         batch = input_pipeline.to_global_batch(random_batch(config, seed), mesh, sharding.batch_axes(mesh))
         state, _ = compiled(state, batch)
     return types.SimpleNamespace(
-        config=config, compiled=compiled, abstract_state=abstract_state, initial=initial, state=state, mesh=mesh
+        config=config,
+        run=run,
+        compiled=compiled,
+        abstract_state=abstract_state,
+        initial=initial,
+        state=state,
+        mesh=mesh,
     )
 
 
@@ -277,10 +283,16 @@ def _is_adapter(name: str) -> bool:
     return name.rsplit("/", 1)[-1] in optim.LORA_PARAMS
 
 
-@pytest.mark.slow
-def test_lora_trains_the_adapters_and_the_detector_and_keeps_the_base_weights():
+@pytest.fixture(scope="module")
+def vit_runs():
+    """Two steps of the tiny ViT RetinaNet, data parallel over 2 devices, trained full, frozen and with LoRA."""
     mesh = sharding.create_mesh(dict(data=2, fsdp=1, model=1), devices=jax.devices()[:2])
-    run = _compile_and_train(tiny_vit_config("lora"), mesh, 2)
+    return {mode: _compile_and_train(tiny_vit_config(mode), mesh, 2) for mode in ("full", "lora", "frozen")}
+
+
+@pytest.mark.slow
+def test_lora_trains_the_adapters_and_the_detector_and_keeps_the_base_weights(vit_runs):
+    run = vit_runs["lora"]
     after = _flat(run.state.params)
     adapters = [name for name in after if _is_adapter(name)]
     base = [name for name in after if _in_backbone(name) and not _is_adapter(name)]
@@ -295,11 +307,8 @@ def test_lora_trains_the_adapters_and_the_detector_and_keeps_the_base_weights():
 
 
 @pytest.mark.slow
-def test_the_plan_shows_what_each_mode_trains():
-    plans = {
-        mode: train_compile.plan_train_step(tiny_vit_config(mode), jax.devices()[:2])
-        for mode in ("full", "lora", "frozen")
-    }
+def test_the_plan_shows_what_each_mode_trains(vit_runs):
+    plans = {mode: train_compile.step_plan_of(r.run, r.compiled, r.abstract_state) for mode, r in vit_runs.items()}
     params = _flat(_abstract_state(tiny_vit_config("lora")).params)
     adapters = sum(x.size * 4 for name, x in params.items() if _is_adapter(name))
     detector = sum(x.size * 4 for name, x in params.items() if not _in_backbone(name))
