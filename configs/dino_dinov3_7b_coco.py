@@ -18,16 +18,16 @@ config argument:
           before activations, so the run shards parameters over `fsdp`, splits
           heads and the MLP over `model` (the Megatron layout: 2 all-reduces
           per block) and rematerialises every block: mesh (data 8, fsdp 4,
-          model 2) on 64 GPUs of 80 GB, 34.8 GB per device by `detector.plan`
-          (8 GPUs would need 136 GB each).
+          model 2) on 64 GPUs of 80 GB, 31.7 GB per device by `detector.plan`
+          (8 GPUs would need 118 GB each).
   frozen  the 7B gets no gradient, optimizer state or EMA copy, and keeps no
           activations for backward: 8 GPUs of 80 GB, its weights sharded over
-          fsdp 8, 38.2 GB per device (DINOv3's own detector keeps the 7B
+          fsdp 8, 40.1 GB per device (DINOv3's own detector keeps the 7B
           frozen).
   lora    rank-16 adapters on qkv, the out-projection and both MLP matrices
           (37 M, 0.55% of the backbone's parameters) trained with the detector,
           merged into the weights on export: 8 GPUs of 80 GB with 2
-          micro-batches per step (49.3 GB per device; 92.5 GB in one pass).
+          micro-batches per step (40.9 GB per device; 74.7 GB in one pass).
 
 The plans of these and of other meshes: docs/sharding.md.
 

@@ -9,7 +9,7 @@ AdamW lr 1e-4 with weight decay 0.1 (ViTDet's) and gradient clipping at
 0.1, backbone at x0.1, an EMA of the parameters (decay 0.9999) for
 evaluation, global batch 64 for 12 epochs (22,200 steps) with a x0.1 step
 at epoch 11, and per-block rematerialisation (by `detector.plan` on 64
-devices, mesh (8, 8, 1): 5.9 GB per device, 27.9 GB without it, for 26% more
+devices, mesh (8, 8, 1): 7.0 GB per device, 19.0 GB without it, for 26% more
 FLOPs).
 
 It starts from MAE's ViT-L weights, converted once (see
