@@ -212,6 +212,12 @@ def test_verbose_shows_the_traceback(request):
     assert re.search(r"MeshError: mesh \(data=3, fsdp=1, model=1\) needs 3 devices", result["stderr"]), result["stderr"]
 
 
+# Python as a terminal's foreground command starts: Ctrl-C raises KeyboardInterrupt. An ignored SIGINT is
+# inherited across exec and Python then installs no handler, and a test process may have been left ignoring
+# it, so the children set it themselves (a preexec_fn would run Python in a fork of a multithreaded process).
+DEFAULT_SIGINT = "import signal; signal.signal(signal.SIGINT, signal.default_int_handler)"
+
+
 @pytest.mark.slow
 def test_ctrl_c_while_starting_is_one_error_line(tmp_path, tmp_path_factory):
     """A real SIGINT once the command has started (before the training loop's handlers): no traceback."""
@@ -220,7 +226,8 @@ def test_ctrl_c_while_starting_is_one_error_line(tmp_path, tmp_path_factory):
     # The integration tests' tiny dataset (generated once per run), so the signal lands in preparing or compiling.
     data_dir = once_per_run(tmp_path_factory, "data", lambda path: input_pipeline.get_dataset_info(make_config(path)))
     env = {**os.environ, "PYTHONPATH": str(REPO_ROOT), "JAX_PLATFORMS": "cpu"}
-    command = [sys.executable, "-m", "detector.train", "--config=configs/default.py", f"--workdir={tmp_path / 'run'}"]
+    train = f"{DEFAULT_SIGINT}; import runpy; runpy.run_module('detector.train', run_name='__main__', alter_sys=True)"
+    command = [sys.executable, "-c", train, "--config=configs/default.py", f"--workdir={tmp_path / 'run'}"]
     process = subprocess.Popen(
         command + as_flags(data_dir),
         cwd=REPO_ROOT,
@@ -292,7 +299,8 @@ def test_a_ctrl_c_raised_inside_a_garbage_collector_callback_reaches_the_main_th
     A KeyboardInterrupt that lands there must not be lost: the run would go on
     as if Ctrl-C had never been pressed.
     """
-    script = """
+    script = f"""
+{DEFAULT_SIGINT}
 import gc, time
 from detector import cli
 cli.install_exception_hooks()
@@ -304,14 +312,18 @@ def interrupted_callback(phase, info):
 gc.callbacks.append(interrupted_callback)
 try:
     gc.collect()
-    for _ in range(200):
+    for _ in range(3000):  # up to 30 s on a loaded machine; delivery ends it at once
         time.sleep(0.01)
     print("lost")
 except KeyboardInterrupt:
     print("delivered")
 """
     result = subprocess.run(
-        [sys.executable, "-c", script], cwd=REPO_ROOT, capture_output=True, text=True, timeout=TIMEOUT_S
+        [sys.executable, "-c", script],
+        cwd=REPO_ROOT,
+        capture_output=True,
+        text=True,
+        timeout=TIMEOUT_S,
     )
     assert result.stdout.split() == ["delivered"], result.stdout + result.stderr
     assert "Exception ignored" not in result.stderr, result.stderr

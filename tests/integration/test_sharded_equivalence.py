@@ -86,10 +86,12 @@ SPATIAL_SPECS = {
 VIT_COLLECTIVES = {"all-reduce": 40, "all-gather": 188, "reduce-scatter": 0, "all-to-all": 2, "collective-permute": 136}
 # At 64 px (85 proposals, 8 box slots), in 2 micro-batches: the network's
 # collectives run once per micro-batch (in one pass: 39 all-reduces, 226
-# all-gathers, 21 all-to-alls, 140 collective-permutes).
+# all-gathers, 21 all-to-alls, 140 collective-permutes). One all-gather more
+# (292, was 291) since the decoder's attention mask is built inside the model
+# from the denoising groups (models/query_layout.py).
 DINO_COLLECTIVES = {
     "all-reduce": 72,
-    "all-gather": 291,
+    "all-gather": 292,
     "reduce-scatter": 0,
     "all-to-all": 42,
     "collective-permute": 238,

@@ -319,8 +319,8 @@ def _poison_steps(monkeypatch, bad_steps):
     def poison(batch, step):
         return dict(batch, image_id=np.full_like(batch["image_id"], _POISONED_IMAGE_ID)) if step in bad_steps else batch
 
-    def objective(config, model, num_classes):
-        real = real_objective(config, model, num_classes)
+    def objective(config, model, num_classes, **options):
+        real = real_objective(config, model, num_classes, **options)
 
         def loss(params, batch, rng=None, normalizer=None):
             value, terms = real.loss(params, batch, rng, normalizer)
