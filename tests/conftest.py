@@ -2,6 +2,8 @@
 
 import os
 
+import pytest
+
 from tests.helpers import quick_xla_flags  # imports no jax
 
 # Quick XLA:CPU compiles (why: tests/helpers/__init__.py) on 8 fake devices.
@@ -30,3 +32,16 @@ os.environ.setdefault("JAX_COMPILATION_CACHE_DIR", "")
 # cores, ran the multi-process ones side by side and made the suite slower
 # (28:56, against 25:20 in xdist's order with four minutes more of tests), as
 # their processes then compete for both cores.
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_configure(config):
+    """A crashed xdist worker ends the run, naming the test it was running, unless --max-worker-restart says otherwise.
+
+    xdist's own default (restart up to 4 x workers) replaces the worker, and
+    with --dist loadfile the replacement can wait for work forever
+    (pytest-xdist 3.8): the suite would hang until CI's time runs out instead
+    of saying which test took its process down.
+    """
+    if getattr(config.option, "maxworkerrestart", "") is None:
+        config.option.maxworkerrestart = "0"
