@@ -1,4 +1,4 @@
-"""COCO bbox scoring at validation-set scale: `box_ap` against pycocotools (and faster-coco-eval), one sitting.
+"""COCO bbox scoring at validation-set scale: the project's (`coco_ap`) against pycocotools and others, one sitting.
 
   python -m benchmarks.coco_scoring                                  # 5k x 80 and 20k x 365 classes
   python -m benchmarks.coco_scoring --sizes=5000:80 --pycocotools_max_images=5000
@@ -9,7 +9,9 @@ the same seed: ground truth of ~7 boxes per image (COCO's mean; 10% crowds)
 and 100 detections per image (jittered copies of the ground truth, some with
 the wrong class, plus background boxes), as a training run's evaluation
 produces. The time is the scoring alone, from the scorer's own input form
-(columns for box_ap, COCO dicts for pycocotools and faster-coco-eval); the
+(columns for coco_ap, which hands them to hotcoco, and for hotcoco called
+directly; COCO dicts for pycocotools, faster-coco-eval and hotcoco fed
+dicts); the
 peak RSS is the whole child's, inputs included. `max |diff|` is the largest
 difference of the 12 stats from pycocotools' where it ran.
 
@@ -40,7 +42,9 @@ _SIZES = flags.DEFINE_list(
     "sizes", ["5000:80", "20000:365"], "IMAGES:CLASSES pairs to score (COCO val: 5000:80; Objects365 val: 80000:365)."
 )
 PYCOCOTOOLS_MAX_IMAGES = flags.DEFINE_integer(
-    "pycocotools_max_images", 5000, "Run pycocotools and faster-coco-eval only up to this many images (0: never)."
+    "pycocotools_max_images",
+    5000,
+    "Run pycocotools and faster-coco-eval only up to this many images (0: never); hotcoco runs at every size.",
 )
 _DETECTIONS = flags.DEFINE_integer("detections_per_image", 100, "Detections per image (COCO's maxDets).")
 _OVERLAP_CONFIG = config_flags.DEFINE_config_file(
@@ -90,11 +94,11 @@ def synthetic_columns(num_images: int, num_classes: int, detections_per_image: i
     }
 
 
-def box_ap_inputs(columns: dict):
-    """The same data as box_ap's (CocoGroundTruth, CocoDetections)."""
-    from detector.serving import box_ap
+def coco_ap_inputs(columns: dict):
+    """The same data as coco_ap's (CocoGroundTruth, CocoDetections)."""
+    from detector.serving import coco_ap
 
-    ground_truth = box_ap.CocoGroundTruth(
+    ground_truth = coco_ap.CocoGroundTruth(
         image_ids=columns["image_ids"],
         category_ids=columns["category_ids"],
         box_image_ids=columns["gt_image_ids"],
@@ -103,7 +107,7 @@ def box_ap_inputs(columns: dict):
         areas=columns["gt_xywh"][:, 2] * columns["gt_xywh"][:, 3],
         is_crowd=columns["gt_crowd"],
     )
-    found = box_ap.CocoDetections(
+    found = coco_ap.CocoDetections(
         columns["dt_image_ids"], columns["dt_category_ids"], columns["dt_xywh"], columns["dt_scores"]
     )
     return ground_truth, found
@@ -137,19 +141,54 @@ def _as_coco(columns: dict) -> tuple[dict, list[dict]]:
 
 def _score_in_child(scorer: str, num_images: int, num_classes: int, detections: int, queue) -> None:
     columns = synthetic_columns(num_images, num_classes, detections)
-    if scorer == "box_ap":
-        from detector.serving import box_ap
+    if scorer == "coco_ap":
+        from detector.serving import coco_ap
 
         start = time.perf_counter()
-        ground_truth, found = box_ap_inputs(columns)
-        evaluated = box_ap.evaluate(ground_truth, found)
-        stats = [evaluated.stats[name] for name in box_ap.STAT_NAMES]
+        ground_truth, found = coco_ap_inputs(columns)
+        evaluated = coco_ap.evaluate(ground_truth, found)
+        stats = [evaluated.stats[name] for name in coco_ap.STAT_NAMES]
+    elif scorer == "hotcoco (columns)":
+        import hotcoco
+
+        start = time.perf_counter()
+        gt = hotcoco.COCO.from_arrays(
+            images=[{"id": int(i)} for i in columns["image_ids"]],
+            categories=[{"id": int(c), "name": str(c)} for c in columns["category_ids"]],
+            image_ids=columns["gt_image_ids"],
+            category_ids=columns["gt_category_ids"],
+            boxes=columns["gt_xywh"],
+            area=columns["gt_xywh"][:, 2] * columns["gt_xywh"][:, 3],
+            iscrowd=columns["gt_crowd"],
+        )
+        rows = np.column_stack(
+            [columns["dt_image_ids"], columns["dt_xywh"], columns["dt_scores"], columns["dt_category_ids"]]
+        )
+        with contextlib.redirect_stdout(io.StringIO()):
+            evaluator = hotcoco.COCOeval(gt, gt.load_res(rows.astype(np.float64)), "bbox")
+            evaluator.evaluate()
+            evaluator.accumulate()
+            evaluator.summarize()
+        stats = [float(v) for v in evaluator.stats]
     else:
         ground_truth, results = _as_coco(columns)
         del columns
         if scorer == "pycocotools":
             from pycocotools.coco import COCO
             from pycocotools.cocoeval import COCOeval
+        elif scorer == "hotcoco (dicts)":
+            import hotcoco
+
+            start = time.perf_counter()
+            with contextlib.redirect_stdout(io.StringIO()):
+                gt = hotcoco.COCO(ground_truth)
+                evaluator = hotcoco.COCOeval(gt, gt.load_res(results), "bbox")
+                evaluator.evaluate()
+                evaluator.accumulate()
+                evaluator.summarize()
+            stats = [float(v) for v in evaluator.stats]
+            queue.put((time.perf_counter() - start, resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024, stats))
+            return
         else:
             from faster_coco_eval import COCO
             from faster_coco_eval import COCOeval_faster as COCOeval
@@ -185,14 +224,15 @@ def scoring_rows(
     try:
         import faster_coco_eval  # noqa: F401
 
-        peers = ["pycocotools", "faster-coco-eval"]
+        peers = ["pycocotools", "hotcoco (columns)", "hotcoco (dicts)", "faster-coco-eval"]
     except ImportError:
-        peers = ["pycocotools"]
+        peers = ["pycocotools", "hotcoco (columns)", "hotcoco (dicts)"]
     rows = []
     for num_images, num_classes in sizes:
-        measured = {"box_ap": measure("box_ap", num_images, num_classes, detections_per_image)}
-        if num_images <= pycocotools_max_images:
-            for peer in peers:
+        measured = {"coco_ap": measure("coco_ap", num_images, num_classes, detections_per_image)}
+        for peer in peers:
+            # hotcoco is fast enough for every size; the others only up to --pycocotools_max_images.
+            if peer.startswith("hotcoco") or num_images <= pycocotools_max_images:
                 measured[peer] = measure(peer, num_images, num_classes, detections_per_image)
         reference = measured.get("pycocotools")
         for scorer, result in measured.items():
@@ -222,14 +262,14 @@ def overlap_rows(config, config_name: str, num_images: int, num_classes: int, de
 
     from benchmarks import jax_step
     from detector.loop.evaluator import lower_thread_priority
-    from detector.serving import box_ap
+    from detector.serving import coco_ap
 
     step = jax_step.build(config, num_classes=4)
     step.run(3)  # warm-up
     columns = synthetic_columns(num_images, num_classes, detections_per_image)
-    ground_truth, found = box_ap_inputs(columns)
+    ground_truth, found = coco_ap_inputs(columns)
     start = time.perf_counter()
-    box_ap.evaluate(ground_truth, found)
+    coco_ap.evaluate(ground_truth, found)
     scoring_alone = time.perf_counter() - start
 
     def steps_per_second(seconds: float) -> float:
@@ -245,7 +285,7 @@ def overlap_rows(config, config_name: str, num_images: int, num_classes: int, de
     def score() -> None:
         lower_thread_priority()  # as the trainer's scoring thread
         start = time.perf_counter()
-        box_ap.evaluate(ground_truth, found)
+        coco_ap.evaluate(ground_truth, found)
         timing["seconds"] = time.perf_counter() - start
 
     thread = threading.Thread(target=score)
@@ -277,7 +317,8 @@ def main(argv: Sequence[str]) -> None:
     columns = list(rows[0]) if rows else []
     report.emit(
         "coco_scoring",
-        "COCO bbox scoring: box_ap against pycocotools on the same detections (fresh process each)",
+        "COCO bbox scoring: coco_ap (hotcoco fed columns) against pycocotools and others on the same detections "
+        "(fresh process each)",
         columns,
         [[row[c] for c in columns] for row in rows],
     )
@@ -285,7 +326,7 @@ def main(argv: Sequence[str]) -> None:
         num_images, num_classes = max(sizes)
         report.emit(
             "coco_scoring_overlap",
-            "Training during a background scoring (one process: the train step on the main thread, box_ap on another)",
+            "Training during a background scoring (one process: the train step on the main thread, coco_ap on another)",
             ["what", "unit", "alone", "together", "together / alone"],
             overlap_rows(
                 _OVERLAP_CONFIG.value,

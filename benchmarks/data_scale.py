@@ -29,9 +29,9 @@ best of 3) and builds the first batch of a small training pipeline
 The prepared split is deleted after each row; the folders stay for the next run.
 
 A second table scores validation sets of --scoring_sizes (IMAGES:CLASSES,
-100 detections per image) with box_ap and, up to --pycocotools_max_images,
-pycocotools and faster-coco-eval on the same detections
-(benchmarks.coco_scoring).
+100 detections per image) with coco_ap and hotcoco and, up to
+--pycocotools_max_images, pycocotools and faster-coco-eval on the same
+detections (benchmarks.coco_scoring).
 """
 
 from __future__ import annotations
@@ -221,7 +221,7 @@ def scoring_section() -> None:
     columns = list(rows[0])
     report.emit(
         "data_scale_scoring",
-        "COCO bbox scoring of validation sets: box_ap against pycocotools on the same detections",
+        "COCO bbox scoring of validation sets: coco_ap (hotcoco) against pycocotools on the same detections",
         columns,
         [[row[c] for c in columns] for row in rows],
     )

@@ -29,7 +29,7 @@ import sharding
 from detector.loop import plots
 from detector.loop.metric_writers import MetricWriter
 from detector.serving import coco_evaluation, drawing
-from detector.serving.box_ap import CocoGroundTruth
+from detector.serving.coco_ap import CocoGroundTruth
 from detector.training import checkpointing
 from input_pipeline.progress import track
 

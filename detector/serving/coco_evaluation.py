@@ -1,4 +1,4 @@
-"""COCO evaluation: predict the eval split, keep the detections as arrays, score them with `box_ap`.
+"""COCO evaluation: predict the eval split, keep the detections as arrays, score them with `coco_ap` (hotcoco).
 
 Every process runs the same number of eval batches (the pipeline pads with
 masked examples) and keeps the detections of the rows its devices hold,
@@ -21,13 +21,13 @@ import jax
 import numpy as np
 from etils import epath
 
-from detector.serving import box_ap
-from detector.serving.box_ap import CocoDetections, CocoGroundTruth
+from detector.serving import coco_ap
+from detector.serving.coco_ap import CocoDetections, CocoGroundTruth
 from input_pipeline import box_geometry
 from sharding import distributed
 from sharding.tables import aligned_table
 
-COCO_METRIC_NAMES = box_ap.STAT_NAMES
+COCO_METRIC_NAMES = coco_ap.STAT_NAMES
 
 
 def _host_rows(x: Any) -> np.ndarray:
@@ -149,7 +149,7 @@ class CocoEvaluation:
 def score(
     ground_truth: CocoGroundTruth, detections: CocoDetections, image_ids: np.ndarray | Sequence[int] | None = None
 ) -> CocoEvaluation:
-    """Scores `detections` on `image_ids` (default: every ground-truth image); see `box_ap.evaluate`.
+    """Scores `detections` on `image_ids` (default: every ground-truth image); see `coco_ap.evaluate`.
 
     `image_ids`: the images that were evaluated; images the pipeline could not
     read are left out this way instead of counting their objects as missed.
@@ -161,7 +161,7 @@ def score(
             {name: 0.0 for name in COCO_METRIC_NAMES},
             {c: {"AP": 0.0, "AP50": 0.0, "AP75": 0.0, "instances": n} for c, n in instances.items()},
         )
-    result = box_ap.evaluate(ground_truth, detections, evaluated)
+    result = coco_ap.evaluate(ground_truth, detections, evaluated)
     per_class = {c: {**values, "instances": instances[c]} for c, values in result.per_class().items()}
     return CocoEvaluation(dict(result.stats), per_class)
 
@@ -173,7 +173,7 @@ def coco_evaluation(
 ) -> CocoEvaluation:
     """Scores COCO `results` (a results list or `CocoDetections`) against COCO-format `ground_truth`.
 
-    The numbers are pycocotools' COCOeval bbox numbers (see `box_ap`).
+    The numbers are pycocotools' COCOeval bbox numbers (see `coco_ap`).
     `image_ids`: the images that were evaluated (default: all of the ground truth's).
     """
     if not isinstance(ground_truth, CocoGroundTruth):

@@ -389,8 +389,8 @@ def test_coco_scoring_matches_pycocotools_and_times_training_beside_it(tmp_path)
     with open(tmp_path / "coco_scoring.json") as f:
         rows = json.load(f)["rows"]
     scorers = [(row["images"], row["scorer"]) for row in rows]
-    assert (60, "box_ap") in scorers and (60, "pycocotools") in scorers and (120, "box_ap") in scorers
-    assert (120, "pycocotools") not in scorers  # above --pycocotools_max_images
+    assert {(60, "coco_ap"), (60, "pycocotools"), (60, "hotcoco (columns)"), (120, "coco_ap")} <= set(scorers)
+    assert (120, "hotcoco (dicts)") in scorers and (120, "pycocotools") not in scorers  # above --pycocotools_max_images
     for row in rows:
         assert row["detections"] == row["images"] * 20 and row["seconds"] > 0 and row["peak RSS GB"] > 0
         if row["images"] == 60:
@@ -427,5 +427,5 @@ def test_data_scale_prepares_a_tiny_folder_per_worker_count(tmp_path):
     assert "| images | workers | JSON MB |" in result.stdout
     with open(tmp_path / "data_scale_scoring.json") as f:
         scoring = json.load(f)["rows"]
-    assert {row["scorer"] for row in scoring} >= {"box_ap", "pycocotools"}
+    assert {row["scorer"] for row in scoring} >= {"coco_ap", "pycocotools"}
     assert all(row["images"] == 40 and row["max |diff| vs pycocotools"] < 1e-12 for row in scoring)

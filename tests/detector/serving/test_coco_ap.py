@@ -1,4 +1,4 @@
-"""box_ap against pycocotools' COCOeval: all 12 stats and per-class AP on data built to hit its corner cases."""
+"""coco_ap against pycocotools' COCOeval: the 12 stats, precision and recall on data built for its corner cases."""
 
 import contextlib
 import io
@@ -8,7 +8,7 @@ import pytest
 from pycocotools.coco import COCO
 from pycocotools.cocoeval import COCOeval
 
-from detector.serving import box_ap
+from detector.serving import coco_ap
 
 
 def _dataset(seed: int, num_images: int = 40, num_categories: int = 7):
@@ -86,8 +86,10 @@ def _pycocotools(ground_truth, results, image_ids=None):
 def test_equals_pycocotools(seed):
     ground_truth, results = _dataset(seed)
     reference = _pycocotools(ground_truth, results)
-    ours = box_ap.evaluate(box_ap.CocoGroundTruth.from_coco(ground_truth), box_ap.CocoDetections.from_results(results))
-    np.testing.assert_allclose([ours.stats[n] for n in box_ap.STAT_NAMES], reference.stats, rtol=0, atol=1e-12)
+    ours = coco_ap.evaluate(
+        coco_ap.CocoGroundTruth.from_coco(ground_truth), coco_ap.CocoDetections.from_results(results)
+    )
+    np.testing.assert_allclose([ours.stats[n] for n in coco_ap.STAT_NAMES], reference.stats, rtol=0, atol=1e-12)
     np.testing.assert_allclose(ours.precision, reference.eval["precision"], rtol=0, atol=1e-12)
     np.testing.assert_allclose(ours.recall, reference.eval["recall"], rtol=0, atol=1e-12)
     # The data reaches the cases it was built for.
@@ -99,14 +101,34 @@ def test_subset_of_images_equals_pycocotools():
     ground_truth, results = _dataset(3)
     evaluated = [image["id"] for image in ground_truth["images"][::3]]
     reference = _pycocotools(ground_truth, results, evaluated)
-    ours = box_ap.evaluate(
-        box_ap.CocoGroundTruth.from_coco(ground_truth), box_ap.CocoDetections.from_results(results), evaluated
+    ours = coco_ap.evaluate(
+        coco_ap.CocoGroundTruth.from_coco(ground_truth), coco_ap.CocoDetections.from_results(results), evaluated
     )
-    np.testing.assert_allclose([ours.stats[n] for n in box_ap.STAT_NAMES], reference.stats, rtol=0, atol=1e-12)
+    np.testing.assert_allclose([ours.stats[n] for n in coco_ap.STAT_NAMES], reference.stats, rtol=0, atol=1e-12)
 
 
 def test_unknown_image_is_an_error():
     ground_truth, results = _dataset(4, num_images=8)
     results.append({"image_id": 99999, "category_id": 1, "bbox": [0, 0, 5, 5], "score": 0.5})
     with pytest.raises(ValueError, match="not in the ground truth"):
-        box_ap.evaluate(box_ap.CocoGroundTruth.from_coco(ground_truth), box_ap.CocoDetections.from_results(results))
+        coco_ap.evaluate(coco_ap.CocoGroundTruth.from_coco(ground_truth), coco_ap.CocoDetections.from_results(results))
+
+
+def test_detections_of_a_category_the_ground_truth_does_not_list_are_not_scored(capfd):
+    ground_truth, results = _dataset(5)
+    reference = _pycocotools(ground_truth, results)
+    foreign = [{**r, "category_id": 777} for r in results[:50]]  # pycocotools scores its params.catIds only
+    ours = coco_ap.evaluate(
+        coco_ap.CocoGroundTruth.from_coco(ground_truth), coco_ap.CocoDetections.from_results(results + foreign)
+    )
+    np.testing.assert_allclose([ours.stats[n] for n in coco_ap.STAT_NAMES], reference.stats, rtol=0, atol=1e-12)
+    assert capfd.readouterr() == ("", "")  # nothing printed, from a background scoring thread either
+
+
+def test_no_detections_score_zero_where_there_is_ground_truth():
+    ground_truth, _ = _dataset(6)
+    ours = coco_ap.evaluate(coco_ap.CocoGroundTruth.from_coco(ground_truth), coco_ap.CocoDetections.concatenate([]))
+    assert ours.stats["AP"] == 0.0 and ours.stats["AR100"] == 0.0
+    per_class = ours.per_class()
+    assert per_class[31] == {"AP": -1.0, "AP50": -1.0, "AP75": -1.0}  # the class without ground truth
+    assert all(v["AP"] == 0.0 for c, v in per_class.items() if c != 31)
