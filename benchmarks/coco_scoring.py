@@ -242,7 +242,7 @@ def scoring_rows(
                     "classes": num_classes,
                     "detections": num_images * detections_per_image,
                     "scorer": scorer,
-                    "seconds": round(result["seconds"], 2),
+                    "seconds": float(f"{result['seconds']:.3g}"),  # 3 digits: a small set scores in milliseconds
                     "speed-up vs pycocotools": (
                         round(reference["seconds"] / result["seconds"], 1) if reference else None
                     ),
