@@ -61,15 +61,16 @@ class Predictions:
 
     def to_bytes(self) -> bytes:
         buffer = io.BytesIO()
-        detections = {f"detections_{k}": v for k, v in dataclasses.asdict(self.detections).items()}
+        detections = {f"detections_{k}": v for k, v in self.detections.to_columns().items()}
         np.savez(buffer, image_ids=self.image_ids, **detections)
         return buffer.getvalue()
 
     @classmethod
     def from_bytes(cls, payload: bytes) -> Predictions:
         with np.load(io.BytesIO(payload)) as arrays:
-            fields = {f.name: arrays[f"detections_{f.name}"] for f in dataclasses.fields(CocoDetections)}
-            return cls(CocoDetections(**fields), arrays["image_ids"])
+            prefix = "detections_"
+            columns = {k[len(prefix) :]: arrays[k] for k in arrays.files if k.startswith(prefix)}
+            return cls(CocoDetections.from_columns(columns), arrays["image_ids"])
 
 
 def batch_predictions(outputs: Mapping[str, Any], label_to_category_id: Sequence[int]) -> Predictions:
@@ -103,11 +104,18 @@ def batch_predictions(outputs: Mapping[str, Any], label_to_category_id: Sequence
 
 
 def to_results(detections: CocoDetections) -> list[dict[str, Any]]:
-    """A COCO results list (`[{image_id, category_id, bbox [x,y,w,h], score}]`) of `detections`."""
-    return [
+    """A COCO results list (`[{image_id, category_id, bbox [x,y,w,h], score}]`) of `detections`.
+
+    With masks, each result also has its `segmentation` (compressed RLE), as detectron2 writes them.
+    """
+    results = [
         {"image_id": int(i), "category_id": int(c), "bbox": [float(v) for v in box], "score": float(s)}
         for i, c, box, s in zip(detections.image_ids, detections.category_ids, detections.boxes_xywh, detections.scores)
     ]
+    if detections.masks is not None:
+        for result, rle in zip(results, detections.masks.to_coco()):
+            result["segmentation"] = rle
+    return results
 
 
 def write_results(path: Any, detections: CocoDetections, *, chunk: int = 100_000) -> None:
@@ -119,9 +127,7 @@ def write_results(path: Any, detections: CocoDetections, *, chunk: int = 100_000
     with epath.Path(path).open("w") as f:
         f.write("[")
         for first in range(0, len(detections), chunk):
-            part = CocoDetections(
-                *(getattr(detections, field.name)[first : first + chunk] for field in dataclasses.fields(detections))
-            )
+            part = detections.select(slice(first, first + chunk))
             f.write(("," if first else "") + json.dumps(to_results(part))[1:-1])
         f.write("]")
 

@@ -21,10 +21,12 @@ matter), runs it on a random input and writes `tests/reference_outputs/NAME.npz`
 
 The deformable-attention case holds `value`, `locations`, `weights` and the
 `reference` of `torch.nn.functional.grid_sample` instead (see
-`deformable_attention_grid_sample`). The tests:
-`tests/detector/models/test_reference_outputs.py` (ViTs, ResNet) and
-`tests/detector/ops/test_deformable_attention.py` compare this project's
-modules with the files; `--check`, where torch, timm, transformers and
+`deformable_attention_grid_sample`), and the mask-pasting case logits, image
+sizes and torch's pasted logits (see `mask_paste_bilinear`). The
+tests: `tests/detector/models/test_reference_outputs.py` (ViTs, ResNet),
+`tests/detector/ops/test_deformable_attention.py` and
+`tests/detector/serving/test_masks.py` compare this project's code with the
+files; `--check`, where torch, timm, transformers and
 torchvision are installed, builds every case again and exits 1 when a file
 no longer holds what the installed libraries compute.
 
@@ -423,9 +425,51 @@ def deformable_attention_grid_sample() -> Case:
     return Case("torch.nn.functional.grid_sample", {"shapes": [list(s) for s in shapes]}, arrays)
 
 
+# ---- torch.nn.functional.interpolate: Mask DINO's mask pasting ----
+
+# (logits [N, h, w], mask_stride, image_hw, original_hw): non-square, the image filling part of the padded canvas
+# in one or both axes, enlarged and reduced, strides 4 and 8.
+MASK_PASTE_SHAPES = (
+    ((4, 8, 10), 4, (27, 37), (54, 71)),
+    ((4, 12, 16), 4, (48, 45), (33, 30)),
+    ((3, 5, 7), 8, (31, 56), (61, 103)),
+)
+
+
+def mask_paste_bilinear() -> Case:
+    """Mask DINO's (Mask2Former's, detectron2's `sem_seg_postprocess`) pasting of mask logits, float32 on the CPU:
+    `F.interpolate` (bilinear, align_corners=False) to the padded network size, crop to the image, `F.interpolate`
+    to the original size. Per shape i of `MASK_PASTE_SHAPES`: masks of smooth logits crossing 0, one all negative
+    (an empty mask), one of large logits, some cells exactly 0.
+
+    Arrays: `logits/i [N, h, w]` float32, `reference/i [N, H, W]` float32 the pasted logits (the masks are where
+    they are > 0); options: `shapes`, per i the stride, image_hw and original_hw."""
+    import torch
+    import torch.nn.functional as F
+
+    rng = np.random.default_rng(2)
+    arrays, shapes = {}, []
+    for i, ((n, h, w), stride, (image_h, image_w), original_hw) in enumerate(MASK_PASTE_SHAPES):
+        logits = rng.normal(0.0, 3.0, size=(n, h, w)) + rng.normal(0.0, 1.0, size=(n, 1, 1))
+        logits[1] = -np.abs(logits[1]) - 0.1
+        logits[2] *= 20.0
+        logits[0, ::3, ::2] = 0.0
+        logits = logits.astype(np.float32)
+        upsampled = F.interpolate(
+            torch.from_numpy(logits)[None], size=(h * stride, w * stride), mode="bilinear", align_corners=False
+        )
+        cropped = upsampled[:, :, :image_h, :image_w]
+        pasted = F.interpolate(cropped, size=tuple(original_hw), mode="bilinear", align_corners=False)[0]
+        arrays[f"logits/{i}"] = logits
+        arrays[f"reference/{i}"] = pasted.numpy()
+        shapes.append({"mask_stride": stride, "image_hw": [image_h, image_w], "original_hw": list(original_hw)})
+    return Case("torch.nn.functional.interpolate", {"shapes": shapes}, arrays)
+
+
 # ---- the cases ----
 
-# Name -> (kind, builder). Kinds: 'vit' (a ViT state dict and its patch tokens), 'resnet', 'deformable_attention'.
+# Name -> (kind, builder). Kinds: 'vit' (a ViT state dict and its patch tokens), 'resnet', 'deformable_attention',
+# 'masks'.
 CASES: dict[str, tuple[str, Callable[[], Case]]] = {
     "timm_dinov2": ("vit", functools.partial(timm_dinov2, "vit_small_patch14_dinov2", 0)),
     "timm_dinov2_reg4": ("vit", functools.partial(timm_dinov2, "vit_small_patch14_reg4_dinov2", 4)),
@@ -453,6 +497,7 @@ CASES: dict[str, tuple[str, Callable[[], Case]]] = {
     "transformers_dinov3_gated": ("vit", functools.partial(transformers_dinov3, True)),
     "torchvision_resnet": ("resnet", torchvision_resnet),
     "deformable_attention_grid_sample": ("deformable_attention", deformable_attention_grid_sample),
+    "mask_paste_bilinear": ("masks", mask_paste_bilinear),
 }
 
 

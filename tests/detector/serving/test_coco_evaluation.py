@@ -1,9 +1,12 @@
+import dataclasses
 import json
 
 import numpy as np
 import pytest
+from pycocotools import mask as mask_utils
 
 from detector.serving import coco_evaluation
+from detector.serving.coco_ap import RleMasks
 
 GROUND_TRUTH = {
     "images": [{"id": 7, "height": 100, "width": 200}, {"id": 9, "height": 50, "width": 50}],
@@ -99,3 +102,20 @@ def test_results_file_is_the_results_list(tmp_path, chunk):
     assert json.loads((tmp_path / "d.json").read_text()) == coco_evaluation.to_results(detections) == results
     coco_evaluation.write_results(tmp_path / "empty.json", coco_evaluation.CocoDetections.concatenate([]))
     assert json.loads((tmp_path / "empty.json").read_text()) == []
+
+
+def test_masks_survive_the_trip_to_process_0_and_the_results_file(tmp_path):
+    rng = np.random.default_rng(0)
+    results = coco_evaluation.detections_to_coco(_outputs_for(GROUND_TRUTH, scale=0.64), LABEL_TO_CATEGORY)
+    masks = [rng.random((13, 17)) < 0.3 for _ in results]
+    rles = RleMasks.from_coco([mask_utils.encode(np.asfortranarray(m, np.uint8)) for m in masks])
+    detections = dataclasses.replace(coco_evaluation.CocoDetections.from_results(results), masks=rles)
+    sent = coco_evaluation.Predictions(detections, np.array([7, 9], np.int64))
+    received = coco_evaluation.Predictions.from_bytes(sent.to_bytes())
+    assert received.detections.masks.to_coco() == rles.to_coco()
+    with_masks = coco_evaluation.to_results(detections)
+    assert [r["segmentation"] for r in with_masks] == rles.to_coco()
+    for result, mask in zip(with_masks, masks):
+        np.testing.assert_array_equal(mask_utils.decode(result["segmentation"]), mask)
+    coco_evaluation.write_results(tmp_path / "d.json", detections, chunk=2)
+    assert json.loads((tmp_path / "d.json").read_text()) == with_masks
