@@ -18,7 +18,8 @@ def random_batch(
     b = config.global_batch_size
     height, width = config.input.image_size
     max_boxes = config.input.max_boxes
-    spec = batch_layout.batch_spec(b, batch_layout.training_image_size(config.input), max_boxes)
+    mask_grid_hw = batch_layout.training_mask_grid(config.input)
+    spec = batch_layout.batch_spec(b, batch_layout.training_image_size(config.input), max_boxes, mask_grid_hw)
     k = min(boxes_per_image, max_boxes)
     corners = rng.uniform(0.0, 1.0, size=(b, k, 2, 2)) * np.array([height, width])
     boxes = np.zeros(spec["boxes"].shape, spec["boxes"].dtype)
@@ -42,4 +43,13 @@ def random_batch(
         "original_size": np.broadcast_to((height, width), spec["original_size"].shape),
         "example_mask": np.ones(b, bool),
     }
+    if mask_grid_hw is not None:  # each box's mask: the cells whose centres its box holds
+        stride = config.input.mask_stride
+        rows = (np.arange(mask_grid_hw[0]) + 0.5) * stride
+        columns = (np.arange(mask_grid_hw[1]) + 0.5) * stride
+        inside_rows = (rows >= boxes[..., 0, None]) & (rows < boxes[..., 2, None])
+        inside_columns = (columns >= boxes[..., 1, None]) & (columns < boxes[..., 3, None])
+        cells = inside_rows[..., :, None] & inside_columns[..., None, :] & mask[..., None, None]
+        values["masks"] = np.packbits(cells, axis=-1)
+        values["masks_valid"] = mask
     return {key: np.array(values[key], dtype=dtype) for key, (_, dtype) in spec.items()}

@@ -317,6 +317,10 @@ def base_config() -> ml_collections.ConfigDict:
     config.input.source_size = ml_collections.FieldReference(None, field_type=tuple)
     # Stop instead of training on what is left when more than this fraction of
     # the images cannot be used.
+    # Instance masks in the training batches: each box's mask rasterised in
+    # the network geometry at this stride (network pixels per mask cell),
+    # bit-packed (`input_pipeline.masks`). 0: no masks (box-only training).
+    config.input.mask_stride = 0
     config.input.max_bad_fraction = 0.5
     config.input.prefetch = 2
     # tf.data threads per process; None: half the host's cores, at most 16.

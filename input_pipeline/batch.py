@@ -17,6 +17,17 @@ front. (H, W) is `input.image_size` and M is `input.max_boxes`:
   original_size  int32    [B, 2]         (h, w) of the original image, pixels    0
   example_mask   bool     [B]            False for padding and undecodable ones  False
 
+Training batches of a config with input.mask_stride = s > 0 add each box's
+mask in the network geometry, one cell per s x s network pixels
+((Hm, Wm) = ceil((H, W) / s), `mask_grid`), 8 cells to a byte along a row
+(numpy's packbits order; `input_pipeline.masks`):
+
+  masks          uint8    [B, M, Hm, ceil(Wm / 8)]  the cells, bit-packed    0
+  masks_valid    bool     [B, M]         True where the box has a mask       False
+
+A box without a mask (a box-only image or dataset, a dropped bad mask)
+trains its box alone.
+
 Images travel as uint8, a quarter of float32's host-to-device bytes; the
 jitted steps normalise them on the device with input.mean_rgb/std_rgb, where
 everything outside the top-left image_hw is padding and becomes 0 (the mean
@@ -81,6 +92,22 @@ FIELDS: dict[str, Field] = {
     "example_mask": Field(np.dtype(np.bool_), lambda image_size, max_boxes: (), False),
 }
 KEYS = tuple(FIELDS)
+MASK_FIELDS: dict[str, Field] = {
+    "masks": Field(np.dtype(np.uint8), lambda image_size, max_boxes: (max_boxes, *image_size), 0),
+    "masks_valid": Field(np.dtype(np.bool_), lambda image_size, max_boxes: (max_boxes,), False),
+}
+
+
+def mask_grid(image_size: Sequence[int], mask_stride: int) -> tuple[int, int]:
+    """(Hm, Wm) mask cells of a network image of `image_size` (H, W) pixels at `mask_stride` pixels per cell."""
+    return tuple(-(-int(v) // int(mask_stride)) for v in image_size)
+
+
+def training_mask_grid(input_config) -> tuple[int, int] | None:
+    """(Hm, Wm) of the masks of training batches (`input.image_size` at `input.mask_stride`), None without masks."""
+    if not input_config.mask_stride:
+        return None
+    return mask_grid(input_config.image_size, input_config.mask_stride)
 
 
 # source_to_image of pixels that already are the network image (scale 1, offset 0).
@@ -103,30 +130,48 @@ class ArraySpec(NamedTuple):
     dtype: np.dtype
 
 
-def example_spec(image_size: Sequence[int], max_boxes: int) -> dict[str, ArraySpec]:
+def example_spec(
+    image_size: Sequence[int], max_boxes: int, mask_grid_hw: Sequence[int] | None = None
+) -> dict[str, ArraySpec]:
     """Shape and dtype of each key of one example (no batch dimension).
 
     Args:
       image_size: (H, W) network input, pixels.
       max_boxes: boxes per example after padding.
+      mask_grid_hw: (Hm, Wm) mask cells per box, None for an example without masks.
     """
     height, width = (int(v) for v in image_size)
-    return {
+    spec = {
         key: ArraySpec(field.example_shape((height, width), int(max_boxes)), field.dtype)
         for key, field in FIELDS.items()
     }
+    if mask_grid_hw is not None:
+        packed = (int(mask_grid_hw[0]), -(-int(mask_grid_hw[1]) // 8))
+        spec.update(
+            {
+                key: ArraySpec(field.example_shape(packed, int(max_boxes)), field.dtype)
+                for key, field in MASK_FIELDS.items()
+            }
+        )
+    return spec
 
 
-def batch_spec(batch_size: int, image_size: Sequence[int], max_boxes: int) -> dict[str, ArraySpec]:
+def batch_spec(
+    batch_size: int, image_size: Sequence[int], max_boxes: int, mask_grid_hw: Sequence[int] | None = None
+) -> dict[str, ArraySpec]:
     """Shape and dtype of each key of a batch of `batch_size` examples: the example's shapes with B in front."""
     return {
         key: ArraySpec((int(batch_size), *spec.shape), spec.dtype)
-        for key, spec in example_spec(image_size, max_boxes).items()
+        for key, spec in example_spec(image_size, max_boxes, mask_grid_hw).items()
     }
 
 
 def abstract_batch(
-    global_batch_size: int, image_size: Sequence[int], max_boxes: int, sharding: Any = None
+    global_batch_size: int,
+    image_size: Sequence[int],
+    max_boxes: int,
+    sharding: Any = None,
+    mask_grid_hw: Sequence[int] | None = None,
 ) -> dict[str, Any]:
     """One global batch as `jax.ShapeDtypeStruct`s (what the steps are compiled for).
 
@@ -136,17 +181,21 @@ def abstract_batch(
       max_boxes: boxes per example, M.
       sharding: the `jax.sharding.Sharding` every array carries (the batch
         sharding, dim 0 over the data axes), or None.
+      mask_grid_hw: (Hm, Wm) mask cells per box, None for a batch without masks.
     """
     import jax  # Here, not above: numpy-only users of the table never load JAX.
 
     return {
         key: jax.ShapeDtypeStruct(spec.shape, spec.dtype, sharding=sharding)
-        for key, spec in batch_spec(global_batch_size, image_size, max_boxes).items()
+        for key, spec in batch_spec(global_batch_size, image_size, max_boxes, mask_grid_hw).items()
     }
 
 
 def empty_example(
-    image_size: Sequence[int], max_boxes: int, full: Callable[[tuple[int, ...], Any, np.dtype], Any] = np.full
+    image_size: Sequence[int],
+    max_boxes: int,
+    full: Callable[[tuple[int, ...], Any, np.dtype], Any] = np.full,
+    mask_grid_hw: Sequence[int] | None = None,
 ) -> dict[str, Any]:
     """An example with no image and no boxes, masked out (example_mask False, image_id -1, labels -1).
 
@@ -156,8 +205,10 @@ def empty_example(
       full: `(shape, value, dtype) -> array`; numpy's by default. A tf.data
         graph passes a `tf.fill` wrapper: a constant the size of an image
         would be stored in the graph.
+      mask_grid_hw: (Hm, Wm) mask cells per box, None for an example without masks.
     """
+    fields = {**FIELDS, **MASK_FIELDS}
     return {
-        key: full(spec.shape, FIELDS[key].empty, spec.dtype)
-        for key, spec in example_spec(image_size, max_boxes).items()
+        key: full(spec.shape, fields[key].empty, spec.dtype)
+        for key, spec in example_spec(image_size, max_boxes, mask_grid_hw).items()
     }

@@ -127,10 +127,13 @@ def _read_records(reader: datasets.cache.RecordReader, record_ids: tf.Tensor) ->
     return tf.ensure_shape(serialized, record_ids.shape)
 
 
-def _masked_example(image_size, max_boxes: int, decode_failed) -> dict:
+def _masked_example(image_size, max_boxes: int, decode_failed, mask_grid_hw=None) -> dict:
     """batch_layout.empty_example as tensors, with the REPORT_KEYS flags."""
     example = batch_layout.empty_example(
-        image_size, max_boxes, full=lambda shape, value, dtype: tf.fill(shape, tf.constant(value, dtype))
+        image_size,
+        max_boxes,
+        full=lambda shape, value, dtype: tf.fill(shape, tf.constant(value, dtype)),
+        mask_grid_hw=mask_grid_hw,
     )
     return {
         **example,
@@ -139,16 +142,21 @@ def _masked_example(image_size, max_boxes: int, decode_failed) -> dict:
     }
 
 
-def _decode(serialized: tf.Tensor) -> dict:
-    """Record -> transforms' input (image uint8 [h, w, 3], boxes, labels, image_id).
+def _decode(serialized: tf.Tensor, *, with_masks: bool = False) -> dict:
+    """Record -> transforms' input (image uint8 [h, w, 3], boxes, labels, image_id; `with_masks`: the
+    boxes' mask_run_lengths).
 
     Crowd / ignore regions are no training targets: they are dropped here
     (evaluation reads them from the ground truth instead).
     """
-    ex = records.parse(serialized)
+    ex = records.parse(serialized, with_masks=with_masks)
     image = tf.io.decode_image(ex["image"], channels=3, dtype=tf.uint8, expand_animations=False)
     keep = tf.logical_not(ex["is_crowd"])
+    masks = {}
+    if with_masks:
+        masks["mask_run_lengths"] = tf.ragged.boolean_mask(ex["mask_run_lengths"], keep)
     return {
+        **masks,
         "image": tf.ensure_shape(image, [None, None, 3]),
         "boxes": tf.boolean_mask(ex["boxes"], keep),
         "labels": tf.boolean_mask(ex["labels"], keep),
@@ -156,7 +164,7 @@ def _decode(serialized: tf.Tensor) -> dict:
     }
 
 
-def _guarded(transform, image_size, max_boxes: int):
+def _guarded(transform, image_size, max_boxes: int, mask_grid_hw=None):
     """Per-example `transform(serialized, position)` (decode and transform) that turns a failure into a masked example.
 
     tf.data cannot catch an op error inside a map function, but a one-element
@@ -178,7 +186,7 @@ def _guarded(transform, image_size, max_boxes: int):
         # warning per padding slot of every evaluation.
         good = tf.data.Dataset.from_tensors(args).filter(lambda _, rid, __: rid >= 0).map(run).ignore_errors()
         fallback = tf.data.Dataset.from_tensors(record_id).map(
-            lambda rid: _masked_example(image_size, max_boxes, decode_failed=rid >= 0)
+            lambda rid: _masked_example(image_size, max_boxes, decode_failed=rid >= 0, mask_grid_hw=mask_grid_hw)
         )
         return good.concatenate(fallback).take(1)
 
@@ -194,6 +202,7 @@ def _build(
     batch: int,
     image_size,
     partners_of_position=None,
+    mask_grid_hw=None,
 ) -> tf.data.Dataset:
     """Batches of `batch` transformed examples whose `image` is `image_size` (H, W).
 
@@ -213,7 +222,7 @@ def _build(
     ds = positions.map(read, num_parallel_calls=tf.data.AUTOTUNE)
     ds = ds.unbatch()
     ds = ds.interleave(
-        _guarded(transform, image_size, int(config.input.max_boxes)),
+        _guarded(transform, image_size, int(config.input.max_boxes), mask_grid_hw),
         cycle_length=max(2, int(_options(config).threading.private_threadpool_size)),
         num_parallel_calls=tf.data.AUTOTUNE,
         deterministic=True,
@@ -273,15 +282,19 @@ def train_dataset(
         return tf.gather(train_ids, index)
 
     mosaic = _mosaic_schedule(config)
+    mask_grid_hw = batch_layout.training_mask_grid(config.input)
+
+    def decode(serialized):
+        return _decode(serialized, with_masks=mask_grid_hw is not None)
 
     def transform(serialized, position):
         example_seed = tf.stack([tf.constant(seed, tf.int64), position])
         if mosaic is None:
-            return transforms.train_transform(_decode(serialized), example_seed, opts)
+            return transforms.train_transform(decode(serialized), example_seed, opts)
         return tf.cond(
             mosaic.uses(position),
-            lambda: transforms.mosaic_transform([_decode(serialized[i]) for i in range(4)], example_seed, opts),
-            lambda: transforms.train_transform(_decode(serialized[0]), example_seed, opts),
+            lambda: transforms.mosaic_transform([decode(serialized[i]) for i in range(4)], example_seed, opts),
+            lambda: transforms.train_transform(decode(serialized[0]), example_seed, opts),
         )
 
     def partners_of_position(positions):
@@ -301,6 +314,7 @@ def train_dataset(
         batch,
         opts.training_image_size,
         partners_of_position=None if mosaic is None else partners_of_position,
+        mask_grid_hw=mask_grid_hw,
     )
 
 

@@ -15,6 +15,14 @@ A record is a serialized `tf.train.Example`:
   labels    int64     [n] contiguous class labels 0..num_classes-1
   is_crowd  int64     [n] 1 for regions to ignore (COCO crowd, VOC difficult):
                       kept for evaluation, dropped from training targets
+  mask_runs int64     [n] (optional) runs of each box's mask in mask_run_lengths,
+                      0 for a box without a mask
+  mask_run_lengths    int64 [sum(mask_runs)] (optional) each mask's COCO RLE
+                      run lengths over the encoded image (column-major, zeros
+                      first), one mask after another (`input_pipeline.masks`)
+
+Records of box-only datasets have no mask features and parse as boxes
+without masks.
 
 serialize() writes the protocol buffer's bytes itself, without TensorFlow
 (tf.train.Example parses them; about as fast as TensorFlow's serializer):
@@ -46,6 +54,10 @@ class SourceExample:
         with positive height and width.
       labels: int32 [n] contiguous labels.
       is_crowd: bool [n], regions to ignore.
+      mask_runs: None (no masks), or int64 [n] the number of runs of each
+        box's mask, 0 for a box without one.
+      mask_run_lengths: None, or int64 [sum(mask_runs)] the masks' COCO RLE
+        run lengths over the height x width image, one after another.
     """
 
     image_bytes: bytes
@@ -55,6 +67,8 @@ class SourceExample:
     boxes_yxyx: np.ndarray
     labels: np.ndarray
     is_crowd: np.ndarray
+    mask_runs: np.ndarray | None = None
+    mask_run_lengths: np.ndarray | None = None
 
 
 _INT64_MIN, _INT64_MAX = -(1 << 63), (1 << 63) - 1
@@ -106,6 +120,19 @@ def serialize(example: SourceExample) -> bytes:
             f"image {example.image_id}: {len(boxes)} boxes, {len(labels)} labels "
             f"and {len(crowd)} crowd flags must have the same length"
         )
+    mask_features = []
+    if example.mask_runs is not None:
+        runs = np.asarray(example.mask_runs, np.int64).reshape(-1)
+        run_lengths = np.asarray(example.mask_run_lengths, np.int64).reshape(-1)
+        if len(runs) != len(boxes) or runs.sum() != len(run_lengths):
+            raise ValueError(
+                f"image {example.image_id}: {len(runs)} mask run counts for {len(boxes)} boxes, summing to "
+                f"{runs.sum()} for {len(run_lengths)} run lengths"
+            )
+        mask_features = [
+            _feature("mask_runs", _INT64S, _int64s(runs.tolist())),
+            _feature("mask_run_lengths", _INT64S, _int64s(run_lengths.tolist())),
+        ]
     features = b"".join(
         [
             _feature("image", _BYTES, bytes(example.image_bytes)),
@@ -115,6 +142,7 @@ def serialize(example: SourceExample) -> bytes:
             _feature("boxes", _FLOATS, boxes.astype("<f4").tobytes()),
             _feature("labels", _INT64S, _int64s(labels.tolist())),
             _feature("is_crowd", _INT64S, crowd.astype(np.uint8).tobytes()),  # varints of 0 and 1 are those bytes
+            *mask_features,
         ]
     )
     return _length_delimited(1, features)
@@ -131,20 +159,35 @@ def _features() -> dict:
         "boxes": tf.io.VarLenFeature(tf.float32),
         "labels": tf.io.VarLenFeature(tf.int64),
         "is_crowd": tf.io.VarLenFeature(tf.int64),
+        "mask_runs": tf.io.VarLenFeature(tf.int64),
+        "mask_run_lengths": tf.io.VarLenFeature(tf.int64),
     }
 
 
-def parse(serialized: tf.Tensor) -> dict[str, tf.Tensor]:
+def parse(serialized: tf.Tensor, *, with_masks: bool = False) -> dict[str, tf.Tensor]:
     """Serialized record -> tensors (TF graph; the image stays encoded).
 
     Returns:
       {'image': string [], 'image_id': int64 [], 'height', 'width': int64 [],
-       'boxes': float32 [n, 4], 'labels': int32 [n], 'is_crowd': bool [n]}.
+       'boxes': float32 [n, 4], 'labels': int32 [n], 'is_crowd': bool [n]};
+      `with_masks` adds 'mask_run_lengths': int64 RaggedTensor [n, (runs)],
+      no runs for a box without a mask (every box of a box-only record).
     """
     import tensorflow as tf
 
-    parsed = tf.io.parse_single_example(serialized, _features())
+    features = _features()
+    if not with_masks:
+        del features["mask_runs"], features["mask_run_lengths"]
+    parsed = tf.io.parse_single_example(serialized, features)
+    masks = {}
+    if with_masks:
+        runs = tf.sparse.to_dense(parsed["mask_runs"])
+        boxes = tf.shape(parsed["labels"].values)[0]
+        runs = tf.pad(runs, [[0, boxes - tf.shape(runs)[0]]])  # a box-only record: no runs for any box
+        run_lengths = tf.sparse.to_dense(parsed["mask_run_lengths"])
+        masks["mask_run_lengths"] = tf.RaggedTensor.from_row_lengths(run_lengths, runs)
     return {
+        **masks,
         "image": parsed["image"],
         "image_id": parsed["image_id"],
         "height": parsed["height"],
@@ -160,6 +203,7 @@ def parse_numpy(serialized: bytes) -> SourceExample:
     import tensorflow as tf
 
     ex = tf.train.Example.FromString(serialized).features.feature
+    with_masks = "mask_runs" in ex
     return SourceExample(
         image_bytes=ex["image"].bytes_list.value[0],
         image_id=int(ex["image_id"].int64_list.value[0]),
@@ -168,4 +212,6 @@ def parse_numpy(serialized: bytes) -> SourceExample:
         boxes_yxyx=np.asarray(ex["boxes"].float_list.value, np.float32).reshape(-1, 4),
         labels=np.asarray(ex["labels"].int64_list.value, np.int32),
         is_crowd=np.asarray(ex["is_crowd"].int64_list.value, bool),
+        mask_runs=np.asarray(ex["mask_runs"].int64_list.value, np.int64) if with_masks else None,
+        mask_run_lengths=np.asarray(ex["mask_run_lengths"].int64_list.value, np.int64) if with_masks else None,
     )

@@ -26,7 +26,7 @@ import dataclasses
 import tensorflow as tf
 
 from input_pipeline import batch as batch_layout
-from input_pipeline import box_geometry
+from input_pipeline import box_geometry, masks
 from input_pipeline.dataset_errors import DatasetError
 
 
@@ -54,6 +54,9 @@ class TransformOptions:
         resized pixels).
       source_size: (H', W') of training images with resize_on_device, at
         least image_size: the largest source region shipped as it is.
+      mask_stride: training examples carry each box's mask in the network
+        geometry at this stride (network pixels per cell), bit-packed; 0 for
+        none. The examples then need 'mask_run_lengths'.
     """
 
     image_size: tuple[int, int]
@@ -65,6 +68,7 @@ class TransformOptions:
     color_jitter: float = 0.0
     resize_on_device: bool = False
     source_size: tuple[int, int] | None = None
+    mask_stride: int = 0
 
     @property
     def training_image_size(self) -> tuple[int, int]:
@@ -101,7 +105,11 @@ class TransformOptions:
             raise DatasetError(
                 f"input.source_size={source_size} must be (H, W) at least input.image_size={size} (or None: the same)"
             )
+        mask_stride = int(inp.mask_stride)
+        if mask_stride < 0:
+            raise DatasetError(f"input.mask_stride must be >= 0 (0: no masks), got {mask_stride}")
         return cls(
+            mask_stride=mask_stride,
             image_size=size,
             max_boxes=int(inp.max_boxes),
             scale_jitter=jitter,
@@ -387,12 +395,35 @@ def _identity_geometry(image_hw: tf.Tensor) -> tuple[tf.Tensor, tf.Tensor, tf.Te
 
 
 def _finish(
-    image, image_hw, boxes, labels, image_id, scale, original_hw, source, opts: TransformOptions, canvas_size
+    image,
+    image_hw,
+    boxes,
+    labels,
+    image_id,
+    scale,
+    original_hw,
+    source,
+    opts: TransformOptions,
+    canvas_size,
+    instance_masks=None,
 ) -> dict:
+    """The example's dict; `instance_masks` (bool [k, Hm, Wm] cells, bool [k] valid) are the first k <= max_boxes
+    boxes' masks, unpacked: the public transforms pack them (`_packed`)."""
     truncated = tf.shape(boxes)[0] > opts.max_boxes
     boxes, labels, mask = pad_boxes(boxes, labels, opts.max_boxes)
     source_hw, source_to_image, source_flipped = source
+    extra = {}
+    if instance_masks is not None:
+        cells, valid = instance_masks
+        cells, valid = cells[: opts.max_boxes], valid[: opts.max_boxes]
+        missing = opts.max_boxes - tf.shape(valid)[0]
+        grid = batch_layout.mask_grid(opts.image_size, opts.mask_stride)
+        extra = {
+            "masks": tf.ensure_shape(tf.pad(cells, [[0, missing], [0, 0], [0, 0]]), [opts.max_boxes, *grid]),
+            "masks_valid": tf.ensure_shape(tf.pad(valid, [[0, missing]]), [opts.max_boxes]),
+        }
     return {
+        **extra,
         "image": tf.ensure_shape(pad_bottom_right(image, canvas_size), [*canvas_size, 3]),
         "image_hw": tf.ensure_shape(tf.cast(image_hw, tf.int32), [2]),
         "source_hw": tf.ensure_shape(tf.cast(source_hw, tf.int32), [2]),
@@ -407,6 +438,26 @@ def _finish(
         "original_size": tf.cast(original_hw, tf.int32),
         "example_mask": tf.constant(True),
     }
+
+
+def _packed(example: dict) -> dict:
+    """The example with its mask cells bit-packed for the batch (`batch_layout.MASK_FIELDS`)."""
+    if "masks" in example:
+        example = {**example, "masks": masks.pack_bits(example["masks"])}
+    return example
+
+
+def _instance_masks(run_lengths: tf.RaggedTensor, original_hw: tf.Tensor, kept: tf.Tensor, rows, columns):
+    """(bool [k, Hm, Wm] cells, bool [k] valid) of the `kept` instances' masks at the cells' original pixels.
+
+    A mask is valid when it has runs covering exactly the original image
+    (preparation checks this too; a mismatch here trains the box alone).
+    """
+    chosen = tf.gather(run_lengths, kept)
+    pixels = tf.cast(original_hw[0], tf.int64) * tf.cast(original_hw[1], tf.int64)
+    valid = (chosen.row_lengths() > 0) & (tf.reduce_sum(chosen, axis=1) == pixels)
+    cells = masks.sample_masks(chosen, original_hw[0], rows, columns)
+    return cells & valid[:, None, None], valid
 
 
 def train_transform(example: dict, seed: tf.Tensor, opts: TransformOptions) -> dict:
@@ -445,8 +496,17 @@ def train_transform(example: dict, seed: tf.Tensor, opts: TransformOptions) -> d
        bool [] (True when more than max_boxes boxes survived and the rest were
        cut), 'image_id': int32 [], 'scale': float32 [] (network px per
        original px), 'original_size': int32 [2] (h, w) original pixels,
-       'example_mask': bool [] (True)}.
+       'example_mask': bool [] (True)}; with opts.mask_stride, 'masks':
+       uint8 [max_boxes, Hm, ceil(Wm / 8)] each kept box's mask cells
+       bit-packed and 'masks_valid': bool [max_boxes] (`batch_layout`), from
+       the example's 'mask_run_lengths' (int64 RaggedTensor [n, (runs)], one
+       row per box).
     """
+    return _packed(_train_transform(example, seed, opts))
+
+
+def _train_transform(example: dict, seed: tf.Tensor, opts: TransformOptions) -> dict:
+    """`train_transform` with the mask cells unpacked (a mosaic's tiles are placed before packing)."""
     out_h, out_w = opts.image_size
     flip_seed, scale_seed, crop_y_seed, crop_x_seed = tf.unstack(tf.random.experimental.stateless_split(seed, 4))
     image, boxes, labels = example["image"], example["boxes"], example["labels"]
@@ -499,13 +559,37 @@ def train_transform(example: dict, seed: tf.Tensor, opts: TransformOptions) -> d
     offset = tf.cast(tf.stack([off_y, off_x, off_y, off_x]), tf.float32)
     boxes = boxes - offset[None, :]
     clipped = _clip_boxes(boxes, visible_h, visible_w)
+    if opts.mask_stride:  # each box's instance index rides along with its label through the drops
+        labels = tf.stack([labels, tf.range(tf.shape(labels)[0])], axis=1)
     if opts.min_visible_fraction > 0:
         boxes, labels = drop_hidden_boxes(boxes, clipped, labels, opts.min_visible_fraction)
     else:
         boxes = clipped
     boxes, labels = drop_small_boxes(boxes, labels, opts.min_box_size)
+    instance_masks = None
+    if opts.mask_stride:
+        labels, kept = labels[:, 0], labels[:, 1]
+        grid = batch_layout.mask_grid(opts.image_size, opts.mask_stride)
+        rows, columns = masks.network_sample_grid(
+            original_hw, axis_scale, offset_yx, window_hw, flipped, grid, opts.mask_stride
+        )
+        instance_masks = _instance_masks(
+            example["mask_run_lengths"], original_hw, kept[: opts.max_boxes], rows, columns
+        )
     canvas_size = opts.training_image_size
-    return _finish(pixels, window_hw, boxes, labels, example["image_id"], scale, original_hw, source, opts, canvas_size)
+    return _finish(
+        pixels,
+        window_hw,
+        boxes,
+        labels,
+        example["image_id"],
+        scale,
+        original_hw,
+        source,
+        opts,
+        canvas_size,
+        instance_masks,
+    )
 
 
 _MOSAIC_SEED_TAG = 0x4D4F53  # "MOS": the tiles' seeds, apart from every other draw of the example's seed
@@ -530,27 +614,44 @@ def mosaic_transform(examples: list[dict], seed: tf.Tensor, opts: TransformOptio
         raise ValueError(f"a mosaic takes 4 examples, got {len(examples)}")
     out_h, out_w = opts.image_size
     heights, widths = (out_h // 2, out_h - out_h // 2), (out_w // 2, out_w - out_w // 2)
+    stride = opts.mask_stride
+    if stride and (heights[0] % stride or widths[0] % stride):
+        raise DatasetError(
+            f"mosaics with masks need input.image_size={opts.image_size} to be a multiple of twice "
+            f"input.mask_stride={stride}, so the tiles' mask cells line up; change either"
+        )
     tile_seeds = tf.unstack(
         tf.random.experimental.stateless_split(tf.random.experimental.stateless_fold_in(seed, _MOSAIC_SEED_TAG), 4)
     )
-    tiles_out, tiles, boxes, labels, masks = [], [], [], [], []
+    tiles_out, tiles, boxes, labels, real = [], [], [], [], []
+    cells, valid = [], []
     truncated = tf.constant(False)
+    grid = batch_layout.mask_grid(opts.image_size, stride) if stride else None
     for i, (example, tile_seed) in enumerate(zip(examples, tile_seeds)):
         row, column = divmod(i, 2)
         tile_opts = dataclasses.replace(
             opts, image_size=(heights[row], widths[column]), resize_on_device=False, source_size=None
         )
-        tile = train_transform(example, tile_seed, tile_opts)
+        tile = _train_transform(example, tile_seed, tile_opts)
         tiles_out.append(tile)
         tiles.append(tile["image"])
         offset = tf.constant([row * heights[0], column * widths[0]] * 2, tf.float32)
         boxes.append(tile["boxes"] + offset[None, :])
         labels.append(tile["labels"])
-        masks.append(tile["boxes_mask"])
+        real.append(tile["boxes_mask"])
         truncated = truncated | tile["boxes_truncated"]
+        if stride:  # the tile's cells moved to its place on the canvas's grid
+            top, left = row * heights[0] // stride, column * widths[0] // stride
+            tile_rows, tile_columns = tile["masks"].shape[1:]
+            placement = [[0, 0], [top, grid[0] - top - tile_rows], [left, grid[1] - left - tile_columns]]
+            cells.append(tf.pad(tile["masks"], placement))
+            valid.append(tile["masks_valid"])
     image = tf.concat([tf.concat(tiles[:2], axis=1), tf.concat(tiles[2:], axis=1)], axis=0)
-    mask = tf.concat(masks, axis=0)
+    mask = tf.concat(real, axis=0)
     kept_boxes, kept_labels = tf.boolean_mask(tf.concat(boxes, 0), mask), tf.boolean_mask(tf.concat(labels, 0), mask)
+    instance_masks = None
+    if stride:
+        instance_masks = (tf.boolean_mask(tf.concat(cells, 0), mask), tf.boolean_mask(tf.concat(valid, 0), mask))
     first = tiles_out[0]
     out = _finish(
         image,
@@ -563,9 +664,10 @@ def mosaic_transform(examples: list[dict], seed: tf.Tensor, opts: TransformOptio
         _identity_geometry(tf.constant([out_h, out_w], tf.int32)),
         opts,
         opts.training_image_size,
+        instance_masks,
     )
     out["boxes_truncated"] = out["boxes_truncated"] | truncated
-    return out
+    return _packed(out)
 
 
 def eval_transform(example: dict, opts: TransformOptions) -> dict:

@@ -223,10 +223,19 @@ def abstract_batch(
 ) -> dict[str, jax.ShapeDtypeStruct]:
     """One global batch of `config` as ShapeDtypeStructs carrying `batch_sharding` (see input_pipeline.batch).
 
-    `training`: a training batch, whose images may be larger source canvases (`input.source_size`).
+    `training`: a training batch, whose images may be larger source canvases (`input.source_size`) and which
+    carries the boxes' masks when `input.mask_stride` asks for them.
     """
-    image_size = batch_layout.training_image_size(config.input) if training else config.input.image_size
-    return batch_layout.abstract_batch(global_batch_size, image_size, config.input.max_boxes, sharding=batch_sharding)
+    if training:
+        image_size, mask_grid_hw = (
+            batch_layout.training_image_size(config.input),
+            batch_layout.training_mask_grid(config.input),
+        )
+    else:
+        image_size, mask_grid_hw = config.input.image_size, None
+    return batch_layout.abstract_batch(
+        global_batch_size, image_size, config.input.max_boxes, sharding=batch_sharding, mask_grid_hw=mask_grid_hw
+    )
 
 
 def ema_decay_of(optimizer_config) -> float:

@@ -36,7 +36,7 @@ TFDS_DATASETS = {
         class_names=tuple(ss.CLASS_NAMES),
         # COCO-format files need ids; 0 is avoided as it is no valid COCO id.
         category_ids=tuple(range(1, len(ss.CLASS_NAMES) + 1)),
-        layout=tfds_source.TfdsLayout(image_id_key="image/id", ignore_key=None),
+        layout=tfds_source.TfdsLayout(image_id_key="image/id", ignore_key=None, mask_key="rle"),
     ),
     "coco/2017": TfdsEntry(
         class_names=COCO_CLASS_NAMES,

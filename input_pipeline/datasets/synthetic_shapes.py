@@ -9,7 +9,9 @@ Features follow TFDS `coco/2017` so the pipeline reads both the same way:
   image:   uint8 [S, S, 3] (PNG)
   image/id: int64 (index + 1 within the split)
   objects: Sequence of {bbox: BBoxFeature (normalized y0, x0, y1, x1),
-                        label: ClassLabel(CLASS_NAMES)}
+                        label: ClassLabel(CLASS_NAMES),
+                        rle: Text, the object's visible pixels as COCO's
+                        compressed RLE `counts` over the S x S image}
 
 Boxes are the exact pixel extent of the visible pixels of each drawn shape:
 y0/x0 are the first covered row/column and y1/x1 are exclusive pixel edges,
@@ -30,6 +32,8 @@ import numpy as np
 import tensorflow_datasets as tfds
 from etils import epath
 from PIL import Image, ImageDraw
+
+from input_pipeline import masks
 
 CLASS_NAMES = ("rectangle", "ellipse", "triangle", "cross")
 
@@ -316,8 +320,8 @@ class SyntheticShapes(tfds.core.GeneratorBasedBuilder):
 
     # Bump whenever generate_example changes what it draws: prepared files are
     # keyed by config name and version.
-    VERSION = tfds.core.Version("1.0.0")
-    RELEASE_NOTES = {"1.0.0": "Initial release."}
+    VERSION = tfds.core.Version("1.1.0")
+    RELEASE_NOTES = {"1.0.0": "Initial release.", "1.1.0": "objects/rle: each object's mask (COCO compressed RLE)."}
     BUILDER_CONFIGS = [SyntheticShapesConfig.make(4096, 256, 128)]
 
     @tfds.core.utils.classproperty
@@ -339,6 +343,7 @@ class SyntheticShapes(tfds.core.GeneratorBasedBuilder):
                         {
                             "bbox": tfds.features.BBoxFeature(),
                             "label": tfds.features.ClassLabel(names=CLASS_NAMES),
+                            "rle": tfds.features.Text(),
                         }
                     ),
                 }
@@ -364,6 +369,13 @@ class SyntheticShapes(tfds.core.GeneratorBasedBuilder):
                 {
                     "image": _encode_png(ex.image),
                     "image/id": index + 1,
-                    "objects": [{"bbox": b, "label": int(l)} for b, l in zip(rel, ex.labels)],
+                    "objects": [
+                        {
+                            "bbox": b,
+                            "label": int(label),
+                            "rle": masks.run_lengths_to_string(masks.run_lengths_of_mask(m)),
+                        }
+                        for b, label, m in zip(rel, ex.labels, ex.masks)
+                    ],
                 },
             )

@@ -8,8 +8,10 @@ counted under one of these keys and handled as stated:
   images             records in the split
   usable_images      records yielded
   unreadable_image   image bytes whose header cannot be read: skipped
-  invalid_record     objects/bbox and objects/label of different lengths:
-                     skipped
+  invalid_record     objects/bbox and objects/label (or objects' masks) of
+                     different lengths: skipped
+  invalid_mask       an object's RLE string that is damaged or not the
+                     image's size: the box kept without a mask
   invalid_box        box with a NaN coordinate: dropped
   empty_box          box with zero or negative height or width: dropped
   clipped_box        box partly outside the image: clipped to it
@@ -34,7 +36,7 @@ import tensorflow as tf
 import tensorflow_datasets as tfds
 from PIL import Image
 
-from input_pipeline import records
+from input_pipeline import masks, records
 from input_pipeline.datasets import box_checks
 
 
@@ -46,10 +48,13 @@ class TfdsLayout:
       image_id_key: top-level feature holding the image id, or None to number
         the split's records 1, 2, ... in file order (VOC has no ids).
       ignore_key: boolean `objects` feature marking regions to ignore, or None.
+      mask_key: text `objects` feature holding each object's mask as COCO's
+        compressed RLE `counts` over the image, or None (boxes only).
     """
 
     image_id_key: str | None
     ignore_key: str | None
+    mask_key: str | None = None
 
 
 def _read_split(builder: tfds.core.DatasetBuilder, split: str, layout: TfdsLayout) -> tf.data.Dataset:
@@ -65,13 +70,16 @@ def _read_split(builder: tfds.core.DatasetBuilder, split: str, layout: TfdsLayou
         n = tf.shape(objects["label"])[0]
         ignore = tf.cast(objects[layout.ignore_key], tf.bool) if layout.ignore_key else tf.zeros([n], tf.bool)
         image_id = tf.cast(example[layout.image_id_key], tf.int64) if layout.image_id_key else tf.constant(-1, tf.int64)
-        return {
+        selected = {
             "image": example["image"],
             "image_id": image_id,
             "bbox": tf.reshape(tf.cast(objects["bbox"], tf.float32), [-1]),
             "label": tf.cast(objects["label"], tf.int64),
             "ignore": ignore,
         }
+        if layout.mask_key:
+            selected["rle"] = objects[layout.mask_key]
+        return selected
 
     return ds.map(select, num_parallel_calls=tf.data.AUTOTUNE)
 
@@ -111,8 +119,12 @@ def _examples(
         counts["annotations"] += labels.size
         # TFDS boxes are normalized y0, x0, y1, x1.
         scale = np.array([height, width, height, width], np.float64)
-        boxes, kept_labels, crowd = [], [], []
-        for normalized, label, is_ignored in zip(flat.reshape(-1, 4), labels, ignore):
+        rles = ex.get("rle")
+        if rles is not None and len(rles) != labels.size:
+            counts["invalid_record"] += 1
+            continue
+        boxes, kept_labels, crowd, run_lengths = [], [], [], []
+        for i, (normalized, label, is_ignored) in enumerate(zip(flat.reshape(-1, 4), labels, ignore)):
             if not 0 <= label < num_classes:
                 counts["unknown_category"] += 1
                 continue
@@ -127,6 +139,8 @@ def _examples(
             boxes.append(box)
             kept_labels.append(label)
             crowd.append(is_ignored)
+            if rles is not None:
+                run_lengths.append(_mask_run_lengths(rles[i], height, width, counts))
         if not boxes:
             counts["no_annotations"] += 1
         counts["usable_images"] += 1
@@ -139,4 +153,19 @@ def _examples(
             boxes_yxyx=np.asarray(boxes, np.float32).reshape(-1, 4),
             labels=np.asarray(kept_labels, np.int32),
             is_crowd=np.asarray(crowd, bool),
+            mask_runs=None if rles is None else np.array([len(r) for r in run_lengths], np.int64),
+            mask_run_lengths=None if rles is None else np.concatenate([np.zeros([0], np.int64), *run_lengths]),
         )
+
+
+def _mask_run_lengths(rle: bytes, height: int, width: int, counts: collections.Counter) -> np.ndarray:
+    """An object's mask as run lengths; none (the box trains alone) for a damaged string or another image size."""
+    try:
+        run_lengths = masks.run_lengths_from_string(rle)
+    except ValueError:
+        counts["invalid_mask"] += 1
+        return np.zeros([0], np.int64)
+    if run_lengths.sum() != height * width:
+        counts["invalid_mask"] += 1
+        return np.zeros([0], np.int64)
+    return run_lengths

@@ -47,6 +47,7 @@ def make_config(data_dir, **overrides):
                 "num_threads": None,
                 "mosaic_probability": 0.0,
                 "mosaic_until": 0.5,
+                "mask_stride": 0,
             },
         }
     )

@@ -72,6 +72,28 @@ def test_train_batch_shapes_and_dtypes(data_dir):
     assert not batch["source_flipped"].any()
 
 
+def test_train_batches_carry_each_boxs_mask_at_the_mask_stride(data_dir):
+    """The embedded dataset's masks reach the batch bit-packed, one per kept box, inside its box."""
+    stride = 4
+    batch = next(input_pipeline.create_train_iterator(make_config(data_dir, **{"input.mask_stride": stride})))
+    grid = (NET[0] // stride, NET[1] // stride)
+    assert batch["masks"].shape == (8, MAX_BOXES, grid[0], -(-grid[1] // 8)) and batch["masks"].dtype == np.uint8
+    assert batch["masks_valid"].shape == (8, MAX_BOXES)
+    np.testing.assert_array_equal(batch["masks_valid"], batch["boxes_mask"])  # every shape has its mask
+    cells = np.unpackbits(batch["masks"], axis=-1, count=grid[1]).astype(bool)
+    assert not cells[~batch["boxes_mask"]].any()
+    centres_y = (np.arange(grid[0]) + 0.5) * stride
+    centres_x = (np.arange(grid[1]) + 0.5) * stride
+    filled = 0
+    for box, box_cells in zip(batch["boxes"][batch["boxes_mask"]], cells[batch["boxes_mask"]]):
+        rows, columns = np.nonzero(box_cells)
+        # A set cell's centre lies in its box, give or take one cell.
+        assert (centres_y[rows] > box[0] - stride).all() and (centres_y[rows] < box[2] + stride).all()
+        assert (centres_x[columns] > box[1] - stride).all() and (centres_x[columns] < box[3] + stride).all()
+        filled += box_cells.any()
+    assert filled >= 0.8 * batch["boxes_mask"].sum()  # outlines under a cell wide may fall between centres
+
+
 def test_batches_resized_on_the_device_equal_those_resized_on_the_host(data_dir):
     """Same images, boxes and flips; after the train step's resample and normalisation the pixels agree."""
     from detector.ops.images import normalize_images, resample_images

@@ -455,6 +455,7 @@ def _config(**input_overrides):
         color_jitter=0.0,
         resize_on_device=False,
         source_size=None,
+        mask_stride=0,
     )
     inp.update(input_overrides)
     return ml_collections.ConfigDict({"input": inp})
@@ -475,6 +476,9 @@ def test_from_config_reads_and_validates_new_keys():
         with pytest.raises(ValueError, match=rf"input\.{key} must be in \[0, 1\]") as err:
             transforms.TransformOptions.from_config(_config(**{key: value}))
         assert "\n" not in str(err.value)
+    assert transforms.TransformOptions.from_config(_config(mask_stride=4)).mask_stride == 4
+    with pytest.raises(ValueError, match=r"input\.mask_stride must be >= 0"):
+        transforms.TransformOptions.from_config(_config(mask_stride=-4))
 
 
 def test_source_size_needs_resize_on_device_and_must_hold_the_image_size():
