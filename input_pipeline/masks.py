@@ -19,7 +19,8 @@ instead of 6.6 MB of booleans.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+import math
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
@@ -177,3 +178,60 @@ def pack_bits(masks: tf.Tensor) -> tf.Tensor:
     octets = tf.reshape(padded, tf.concat([tf.shape(padded)[:-1], [packed_width(width), 8]], 0))
     weights = tf.constant([128, 64, 32, 16, 8, 4, 2, 1], tf.uint8)
     return tf.reduce_sum(octets * weights, axis=-1)
+
+
+def run_lengths_from_segmentation(segmentation: Any, height: int, width: int) -> tuple[np.ndarray | None, str | None]:
+    """A COCO annotation's `segmentation` -> (int64 [runs] run lengths over the height x width image, problem).
+
+    Polygons (one or more parts, [x0, y0, x1, y1, ...] in pixels) are filled
+    and merged as pycocotools' annToRLE does (hotcoco's encoder, the same
+    rasterisation); RLE, compressed (`counts` a string) or not (a list, as
+    COCO's crowd regions), is taken as it is. Returns (None, None) for an
+    annotation without a segmentation (a box-only dataset), and (None, key)
+    for one that cannot give a mask, the box then training alone:
+    'invalid_mask' (a polygon part under 3 points or not numbers, a damaged
+    RLE), 'mask_size_mismatch' (an RLE of another image size) or
+    'empty_mask' (no pixel set).
+    """
+    import hotcoco
+
+    if segmentation is None:
+        return None, None
+    if isinstance(segmentation, dict):
+        size = segmentation.get("size")
+        counts = segmentation.get("counts")
+        if not (isinstance(size, list) and len(size) == 2 and all(isinstance(v, int) for v in size)):
+            return None, "invalid_mask"
+        if size != [height, width]:
+            return None, "mask_size_mismatch"
+        if isinstance(counts, str):
+            try:
+                run_lengths = run_lengths_from_string(counts)
+            except ValueError:
+                return None, "invalid_mask"
+        elif isinstance(counts, list) and all(isinstance(v, int) and not isinstance(v, bool) for v in counts):
+            run_lengths = np.asarray(counts, np.int64)
+            if (run_lengths < 0).any():
+                return None, "invalid_mask"
+        else:
+            return None, "invalid_mask"
+        if run_lengths.sum() != height * width:
+            return None, "invalid_mask"
+    elif isinstance(segmentation, list):
+        parts = []
+        for part in segmentation:
+            # JSON numbers only (a bool is an int to isinstance); inf and nan pass json's parser.
+            numbers = isinstance(part, list) and all(type(v) in (int, float) and math.isfinite(v) for v in part)
+            # pycocotools reads a 4-number "polygon" as a box: fewer than 3 points is refused instead.
+            if not numbers or len(part) < 6 or len(part) % 2:
+                return None, "invalid_mask"
+            parts.append(part)
+        if not parts:
+            return None, "empty_mask"
+        merged = hotcoco.mask.merge(hotcoco.mask.frPyObjects(parts, height, width))
+        run_lengths = run_lengths_from_string(merged["counts"])
+    else:
+        return None, "invalid_mask"
+    if not run_lengths[1::2].any():
+        return None, "empty_mask"
+    return run_lengths, None

@@ -107,7 +107,7 @@ class PreparedSplit:
         return cumulative[self.box_offsets[1:]] - cumulative[self.box_offsets[:-1]]
 
     def open_reader(self) -> RecordReader:
-        return RecordReader(self.shard_paths, directory=self.directory)
+        return RecordReader(self.shard_paths, directory=self.directory, num_records=self.num_records)
 
 
 class RecordReader:
@@ -123,10 +123,11 @@ class RecordReader:
     lock: a deadlock seen in practice.
 
     A record that cannot be read (a shard corrupted after its checks at
-    open) raises DatasetError naming `directory` and the fix.
+    open), or shards holding another number of records than `num_records`
+    (the manifest's), raise DatasetError naming `directory` and the fix.
     """
 
-    def __init__(self, shard_paths: Sequence[str], *, directory: str | None = None):
+    def __init__(self, shard_paths: Sequence[str], *, directory: str | None = None, num_records: int | None = None):
         if directory is None and shard_paths:
             directory = os.path.dirname(os.fspath(shard_paths[0]))
         self._directory = directory
@@ -140,6 +141,11 @@ class RecordReader:
         except (RuntimeError, ValueError) as e:
             raise self._error(e) from e
         counts = [reader.num_records() for reader in self._readers]
+        # A corrupted shard index can read as fewer records without an error: checked against the manifest.
+        if num_records is not None and sum(counts) != num_records:
+            raise self._error(
+                ValueError(f"its shards hold {sum(counts)} records where the manifest lists {num_records}")
+            )
         # Record i is in shard s when starts[s] <= i < starts[s + 1].
         self._starts = np.concatenate([[0], np.cumsum(counts, dtype=np.int64)])
         # tf.data calls read() from several threads; a reader is not

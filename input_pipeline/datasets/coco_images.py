@@ -25,6 +25,11 @@ annotation or image and are counted instead, in the `counts` Counter that
   clipped_box               annotation kept, its box clipped to the image.
   crowd_box                 annotation kept as a crowd region (is_crowd);
                             can also be counted as clipped_box.
+  invalid_mask              annotation kept without its mask: a polygon part
+                            under 3 points or not numbers, a damaged RLE.
+  mask_size_mismatch        annotation kept without its mask: an RLE of
+                            another size than the image.
+  empty_mask                annotation kept without its mask: no pixel set.
   no_annotations            image yielded with no boxes (none in the JSON, or
                             all dropped): a negative example.
   converted_16bit           image kept; the decoder reduces 16-bit samples to
@@ -52,6 +57,7 @@ from __future__ import annotations
 import collections
 import dataclasses
 import io
+import json
 import os
 from collections.abc import Iterator
 from concurrent import futures
@@ -59,7 +65,7 @@ from concurrent import futures
 import numpy as np
 from PIL import Image
 
-from input_pipeline import records
+from input_pipeline import masks, records
 from input_pipeline.datasets import box_checks, coco_json
 from input_pipeline.datasets.column_files import ColumnFiles
 
@@ -80,6 +86,7 @@ class _ImageEntry:
     box_status: list[int]
     xywh: list[tuple[float, float, float, float]]
     crowd: list[bool]
+    segmentations: list[bytes]  # each annotation's `segmentation` as JSON, b"" for none
 
 
 @dataclasses.dataclass(frozen=True)
@@ -119,8 +126,9 @@ def _read_image(path: str) -> _FileInfo | str:
 
 def _make_example(entry: _ImageEntry, info: _FileInfo, counts: collections.Counter) -> records.SourceExample:
     """Builds the example of one readable image, counting its annotations."""
-    boxes, labels, crowd = [], [], []
-    for label, status, (x, y, w, h), is_crowd in zip(entry.labels, entry.box_status, entry.xywh, entry.crowd):
+    boxes, labels, crowd, run_lengths = [], [], [], []
+    annotations = zip(entry.labels, entry.box_status, entry.xywh, entry.crowd, entry.segmentations)
+    for label, status, (x, y, w, h), is_crowd, segmentation in annotations:
         if label < 0:
             counts["unknown_category"] += 1
             continue
@@ -137,6 +145,12 @@ def _make_example(entry: _ImageEntry, info: _FileInfo, counts: collections.Count
         boxes.append(box)
         labels.append(label)
         crowd.append(is_crowd)
+        mask, problem = masks.run_lengths_from_segmentation(
+            json.loads(segmentation) if segmentation else None, info.height, info.width
+        )
+        if problem:
+            counts[problem] += 1
+        run_lengths.append(np.zeros([0], np.int64) if mask is None else mask)
     if not boxes:
         counts["no_annotations"] += 1
     return records.SourceExample(
@@ -147,6 +161,8 @@ def _make_example(entry: _ImageEntry, info: _FileInfo, counts: collections.Count
         boxes_yxyx=np.asarray(boxes, np.float32).reshape(-1, 4),
         labels=np.asarray(labels, np.int32),
         is_crowd=np.asarray(crowd, bool),
+        mask_runs=np.fromiter(map(len, run_lengths), np.int64, len(run_lengths)),
+        mask_run_lengths=np.concatenate([np.zeros([0], np.int64), *run_lengths]),
     )
 
 
@@ -167,6 +183,14 @@ def _entries(columns: ColumnFiles, start: int, stop: int) -> Iterator[_ImageEntr
         status = columns.read("box_status", first, last).tolist()
         xywh = list(zip(*(columns.read(name, first, last).tolist() for name in ("x", "y", "w", "h"))))
         crowd = columns.read("crowd", first, last).tolist()
+        segmentation_offsets = columns.read("segmentation_offset", first, last + 1)
+        segmentation_data = columns.read(
+            "segmentation", int(segmentation_offsets[0]), int(segmentation_offsets[-1])
+        ).tobytes()
+        segmentation_offsets = (segmentation_offsets - segmentation_offsets[0]).tolist()
+        segmentations = [
+            segmentation_data[segmentation_offsets[j] : segmentation_offsets[j + 1]] for j in range(last - first)
+        ]
         for i in range(hi - lo):
             a, b = offsets[i], offsets[i + 1]
             yield _ImageEntry(
@@ -178,6 +202,7 @@ def _entries(columns: ColumnFiles, start: int, stop: int) -> Iterator[_ImageEntr
                 box_status=status[a:b],
                 xywh=xywh[a:b],
                 crowd=crowd[a:b],
+                segmentations=segmentations[a:b],
             )
 
 

@@ -41,6 +41,7 @@ from __future__ import annotations
 
 import array
 import dataclasses
+import json
 import math
 import os
 from collections.abc import Iterator
@@ -93,8 +94,10 @@ class ImageTable:
       annotation_offset[i + 1], in the JSON's order; label int32 [M], -1 when
       category_id is not a category; box_status uint8 [M] (BOX_OK,
       BOX_INVALID, BOX_EMPTY); x, y, w, h float64 [M] the bbox as written
-      (0 unless BOX_OK); crowd bool [M]. Annotations of unknown images are
-      counted and left out.
+      (0 unless BOX_OK); crowd bool [M]; segmentation_offset int64 [M + 1]
+      into segmentation uint8 [S]: each annotation's `segmentation` as
+      compact JSON, empty where it has none. Annotations of unknown images
+      are counted and left out.
 
     Attributes:
       columns: the columns above.
@@ -254,7 +257,7 @@ def _read_images(outline: json_stream.Outline, json_path: str, columns: ColumnFi
         columns.replace("image_id", image_ids)
         for name in ("width", "height"):
             columns.replace(name, columns.read(name)[order])
-        _reorder_names(columns, lengths, order)
+        _reorder_bytes(columns, "name", lengths, order)
         lengths = lengths[order]
     repeated = np.flatnonzero(image_ids[1:] == image_ids[:-1])
     if len(repeated):
@@ -265,17 +268,18 @@ def _read_images(outline: json_stream.Outline, json_path: str, columns: ColumnFi
     return image_ids
 
 
-def _reorder_names(columns: ColumnFiles, lengths: np.ndarray, order: np.ndarray) -> None:
-    """Rewrites the concatenated `name` column in `order` (int64 [N]), READ_BLOCK names at a time."""
-    names = columns.read("name").tobytes()
+def _reorder_bytes(columns: ColumnFiles, name: str, lengths: np.ndarray, order: np.ndarray) -> None:
+    """Rewrites the concatenated byte strings of column `name` (`lengths` int64 [N] each) in `order` (int64 [N]),
+    READ_BLOCK strings at a time."""
+    data = columns.read(name).tobytes()
     offsets = np.concatenate([[0], np.cumsum(lengths, dtype=np.int64)])
-    columns.delete("name")
-    columns.append("name", np.zeros([0], np.uint8))
+    columns.delete(name)
+    columns.append(name, np.zeros([0], np.uint8))
     for lo in range(0, len(order), READ_BLOCK):
         block = order[lo : lo + READ_BLOCK].tolist()
         starts, stops = offsets[block].tolist(), offsets[np.asarray(block) + 1].tolist()
-        joined = b"".join(names[a:b] for a, b in zip(starts, stops))
-        columns.append("name", np.frombuffer(joined, np.uint8))
+        joined = b"".join(data[a:b] for a, b in zip(starts, stops))
+        columns.append(name, np.frombuffer(joined, np.uint8))
 
 
 def _int64_column(values: list[Any]) -> tuple[np.ndarray, np.ndarray]:
@@ -344,7 +348,7 @@ def _read_annotations(
     rows_chunks = []  # int32 image rows of the kept annotations: the only column held whole
     elements = _items(outline, "annotations", json_path)
     while True:
-        image_id, category_id, bbox, crowd = [], [], [], []
+        image_id, category_id, bbox, crowd, segmentation = [], [], [], [], []
         for ann in elements:
             if not isinstance(ann, dict):
                 raise DatasetError(
@@ -354,6 +358,7 @@ def _read_annotations(
             category_id.append(ann.get("category_id"))
             bbox.append(ann.get("bbox"))
             crowd.append(ann.get("iscrowd", 0))
+            segmentation.append(ann.get("segmentation"))
             if len(bbox) >= _PARSE_CHUNK:
                 break
         if not bbox:
@@ -370,6 +375,15 @@ def _read_annotations(
         for i, name in enumerate(("x", "y", "w", "h")):
             columns.append(name, xywh[kept, i])
         columns.append("crowd", np.fromiter(map(bool, crowd), bool, len(crowd))[kept])
+        # Each segmentation as compact JSON, checked and rasterised by the conversion workers (they know the
+        # image's size, which the JSON may not give).
+        encoded = [
+            b"" if s is None else json.dumps(s, separators=(",", ":")).encode()
+            for s, k in zip(segmentation, kept.tolist())
+            if k
+        ]
+        columns.append("segmentation_length", np.fromiter(map(len, encoded), np.int64, len(encoded)))
+        columns.append("segmentation", np.frombuffer(b"".join(encoded), np.uint8))
     rows = np.concatenate(rows_chunks) if rows_chunks else np.zeros([0], np.int32)
     del rows_chunks
     columns.append("annotation_offset", np.concatenate([[0], np.cumsum(np.bincount(rows, minlength=len(image_ids)))]))
@@ -380,11 +394,18 @@ def _read_annotations(
         del rows
         for name in ("label", "box_status", "x", "y", "w", "h", "crowd"):
             columns.replace(name, columns.read(name)[order])
+        lengths = columns.read("segmentation_length")
+        _reorder_bytes(columns, "segmentation", lengths, order)
+        columns.replace("segmentation_length", lengths[order])
     if "label" not in columns:  # no annotations at all
-        for name, dtype in (("label", np.int32), ("box_status", np.uint8), ("crowd", bool)):
+        for name, dtype in (("label", np.int32), ("box_status", np.uint8), ("crowd", bool), ("segmentation", np.uint8)):
             columns.append(name, np.zeros([0], dtype))
         for name in ("x", "y", "w", "h"):
             columns.append(name, np.zeros([0], np.float64))
+        columns.append("segmentation_length", np.zeros([0], np.int64))
+    lengths = columns.read("segmentation_length")
+    columns.delete("segmentation_length")
+    columns.append("segmentation_offset", np.concatenate([[0], np.cumsum(lengths, dtype=np.int64)]))
     return total, unknown
 
 

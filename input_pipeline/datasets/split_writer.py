@@ -40,8 +40,9 @@ from input_pipeline.datasets.column_files import ColumnFiles
 
 MANIFEST = "manifest.json"
 INDEX = "index.npz"
-# 2: the manifest holds each file's size and edge checksum (see edge_checksum).
-FORMAT_VERSION = 2
+# 2: the manifest holds each file's size and edge checksum (see edge_checksum). 3: COCO-format folders'
+# records carry their instances' masks (records.py).
+FORMAT_VERSION = 3
 # One record per group: a random read decodes only the record it wants.
 _WRITER_OPTIONS = "group_size:1"
 # Shards of about this size keep file counts low for millions of images

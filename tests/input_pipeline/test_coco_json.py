@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 from PIL import Image
 
+from input_pipeline import masks
 from input_pipeline.dataset_errors import DatasetError
 from input_pipeline.datasets import box_checks, coco_images, coco_json
 
@@ -392,3 +393,66 @@ def _write_scoring_folder(tmp_path):
     path = tmp_path / "instances.json"
     path.write_text(json.dumps({"images": images, "annotations": annotations, "categories": categories}))
     return str(path), tmp_path
+
+
+def _mask_of(example, index):
+    """bool [h, w] of the example's box `index`, decoded from its run lengths."""
+    offsets = np.concatenate([[0], np.cumsum(example.mask_runs)])
+    run_lengths = example.mask_run_lengths[offsets[index] : offsets[index + 1]]
+    values = np.arange(len(run_lengths)) % 2 == 1
+    return np.repeat(values, run_lengths).reshape(example.width, example.height).T
+
+
+def test_segmentations_become_pycocotools_masks_and_bad_ones_leave_the_box_alone(tmp_path):
+    from pycocotools import mask as coco_mask
+    from pycocotools.coco import COCO
+
+    _save(tmp_path / "a.png", "RGB", (40, 30))
+    _save(tmp_path / "b.png", "RGB", (24, 20))
+    images = [
+        {"id": 1, "file_name": "a.png", "width": 40, "height": 30},
+        {"id": 2, "file_name": "b.png"},  # no size in the JSON: the file's header gives it
+    ]
+    ring = np.zeros([30, 40], np.uint8)
+    ring[5:25, 10:30] = 1
+    ring[10:20, 15:25] = 0  # a hole
+    compressed = coco_mask.encode(np.asfortranarray(ring))
+    compressed["counts"] = compressed["counts"].decode("ascii")
+    crowd = np.zeros([30, 40], np.uint8)
+    crowd[0:6, 0:8] = 1
+    crowd_runs = [int(v) for v in masks.run_lengths_of_mask(crowd)]  # uncompressed, as COCO's crowd regions
+    annotations = [
+        _ann(1, [2, 2, 30, 20], segmentation=[[2.0, 2.0, 12.5, 2.0, 7.0, 12.0], [20, 3, 31.5, 3, 31.5, 14, 20, 14]]),
+        _ann(1, [10, 5, 20, 20], segmentation={"size": [30, 40], "counts": compressed["counts"]}),
+        _ann(1, [0, 0, 8, 6], iscrowd=1, segmentation={"size": [30, 40], "counts": crowd_runs}),
+        _ann(1, [1, 1, 5, 5]),  # no segmentation: a box alone, nothing counted
+        _ann(1, [1, 1, 5, 5], segmentation=[[1, 1, 5, 5]]),  # invalid_mask: a 2-point "polygon"
+        _ann(1, [1, 1, 5, 5], segmentation={"size": [31, 40], "counts": compressed["counts"]}),  # mask_size_mismatch
+        _ann(
+            1, [1, 1, 5, 5], segmentation={"size": [30, 40], "counts": [5, 3]}
+        ),  # invalid_mask: not the image's pixels
+        _ann(1, [1, 1, 5, 5], segmentation=[]),  # empty_mask
+        _ann(1, [1, 1, 5, 5], segmentation={"size": [30, 40], "counts": "~~"}),  # invalid_mask: damaged string
+        _ann(2, [3, 3, 10, 10], segmentation=[[3, 3, 13, 3, 13, 13, 3, 13]]),  # polygon sized by the file
+    ]
+    # Image 2's annotation first: grouping by image moves the segmentations with their boxes.
+    json_path = _write_json(tmp_path / "instances.json", images, annotations[-1:] + annotations[:-1])
+    for i, annotation in enumerate(annotations):
+        annotation.setdefault("id", i + 1)
+    reference = COCO()
+    reference.dataset = {
+        "images": [{**images[0]}, {**images[1], "width": 24, "height": 20}],
+        "annotations": [a for a in annotations if isinstance(a.get("segmentation"), (dict, list))][:3]
+        + [annotations[-1]],
+        "categories": [{"id": 1, "name": "thing"}],
+    }
+    reference.createIndex()
+
+    examples, counts = _read(json_path, tmp_path)
+    first, second = examples
+    assert first.mask_runs.tolist()[3:] == [0] * 6 and (first.mask_runs[:3] > 0).all()
+    for index, annotation in enumerate(reference.dataset["annotations"][:3]):
+        np.testing.assert_array_equal(_mask_of(first, index), reference.annToMask(annotation).astype(bool))
+    np.testing.assert_array_equal(_mask_of(second, 0), reference.annToMask(reference.dataset["annotations"][3]) > 0)
+    assert counts["invalid_mask"] == 3 and counts["mask_size_mismatch"] == 1 and counts["empty_mask"] == 1
+    assert len(first.labels) == 9  # every box kept, with or without its mask
