@@ -43,7 +43,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from detector.errors import ConfigError
 from detector.models.layers import relu, rematerialized
+from detector.models.mask_branch import PixelEmbedding
 from detector.models.query_layout import QueryLayout
 from detector.models.transformer import HEAD_AXES, TOKEN_AXES, Mlp, Projection, attention, layer_norm
 from detector.ops.box_ops import cxcywh_to_yxyx
@@ -354,7 +356,14 @@ class Dino(nn.Module):
         content, the encoder proposals ranked N+1 to N+M as references, the
         same decoder and heads, seen by no other query.
         Their parameters exist whether or not a call uses them, so prediction
-        and training share one parameter tree.
+        and training share one parameter tree;
+      with `mask_dim` > 0 (Mask DINO): pixel_embedding `[B, H/4, W/4,
+        mask_dim]` (in `dtype`, from the backbone's stride-4 map and the
+        encoder's finest level, `mask_branch.PixelEmbedding`), mask_embeddings
+        `[K, B, N, mask_dim]` of every decoder layer's queries (and
+        `{segment}_mask_embeddings` for the denoising and one-to-many ones),
+        encoder_mask_embeddings `[B, N, mask_dim]`: a query's mask logits are
+        its embedding dotted with the map's cells (`mask_branch.mask_logits`).
     The decoder runs the queries side by side as `QueryLayout` orders them,
     with the attention mask it gives.
     """
@@ -371,6 +380,7 @@ class Dino(nn.Module):
     num_queries: int = 900
     num_one_to_many_queries: int = 0
     distinct_query_iou: float = 0.0
+    mask_dim: int = 0  # > 0: Mask DINO's mask branch, with embeddings of this width
     remat: str = "none"
     dtype: Any = jnp.float32
 
@@ -385,7 +395,8 @@ class Dino(nn.Module):
             num_denoising=0 if denoising is None else denoising["labels"].shape[1],
             num_one_to_many=self.num_one_to_many_queries if one_to_many else 0,
         )
-        pyramid = self.neck(self.backbone(images))
+        features = self.backbone(images)
+        pyramid = self.neck(features)
         levels = sorted(pyramid)
         spatial_shapes = tuple((int(pyramid[level].shape[1]), int(pyramid[level].shape[2])) for level in levels)
         batch, embed = images.shape[0], self.hidden_dim
@@ -419,6 +430,21 @@ class Dino(nn.Module):
         for i in range(self.num_encoder_layers):
             memory = encoder_layer(**layer_shape, name=f"encoder{i}")(memory, position, encoder_reference)
 
+        mask_outputs = {}
+        if self.mask_dim:
+            if 2 not in features:
+                raise ConfigError(
+                    f"Mask DINO's mask branch needs the backbone's stride-4 features (level 2); this backbone gives "
+                    f"levels {sorted(features)}: use a ResNet backbone, or no masks"
+                )
+            height, width = spatial_shapes[0]  # the finest level leads the encoder's tokens
+            finest = memory[:, : height * width].reshape(batch, height, width, embed)
+            pixel_embedding = PixelEmbedding(embed, self.mask_dim, dtype=self.dtype, name="pixel_embedding")(
+                features[2], finest
+            )
+            mask_outputs["pixel_embedding"] = pixel_embedding
+            mask_head = PredictionMlp(embed, self.mask_dim, 3, dtype=self.dtype, name="mask_head")
+
         # Two-stage query selection: every position proposes a box; the N best
         # give the decoder its reference boxes (the content queries are learned).
         proposals, proposal_valid = encoder_proposals(list(spatial_shapes))
@@ -442,7 +468,8 @@ class Dino(nn.Module):
         proposed = layout.without("denoising")
         selected = select_proposals(scores, proposed.total, jax.nn.sigmoid(proposal_boxes), self.distinct_query_iou)
         selected_boxes_logit = _gather_queries(proposal_boxes, selected)
-        encoder_logits = _gather_queries(proposal_logits, proposed.split(selected, axis=1)["one_to_one"])
+        one_to_one_selected = proposed.split(selected, axis=1)["one_to_one"]
+        encoder_logits = _gather_queries(proposal_logits, one_to_one_selected)
         encoder_boxes_logit = proposed.split(selected_boxes_logit, axis=1)["one_to_one"]
         reference = proposed.split(jax.lax.stop_gradient(jax.nn.sigmoid(selected_boxes_logit)), axis=1)
 
@@ -489,7 +516,10 @@ class Dino(nn.Module):
         decoder_layer = rematerialized(DecoderLayer, self.remat)
         x = nn.with_logical_constraint(content, TOKEN_AXES)
         previous_boxes = reference  # the previous layer's prediction, with its gradient
-        all_logits, all_boxes = [], []
+        if self.mask_dim:  # the selected proposals' masks: Mask DINO trains them like a decoder layer's
+            selected_features = output_norm(_gather_queries(selection_memory, one_to_one_selected))
+            mask_outputs["encoder_mask_embeddings"] = mask_head(selected_features).astype(jnp.float32)
+        all_logits, all_boxes, all_mask_embeddings = [], [], []
         for i in range(self.num_decoder_layers):
             reference = jax.lax.stop_gradient(previous_boxes)
             query_position = reference_head(box_position_embedding(reference, embed // 2).astype(self.dtype))
@@ -503,6 +533,8 @@ class Dino(nn.Module):
             boxes = jax.nn.sigmoid(delta + inverse_sigmoid(previous_boxes))
             all_logits.append(class_head(normed).astype(jnp.float32))
             all_boxes.append(boxes)
+            if self.mask_dim:
+                all_mask_embeddings.append(mask_head(normed).astype(jnp.float32))
             previous_boxes = boxes
 
         logits = layout.split(jnp.stack(all_logits), axis=2)
@@ -516,4 +548,10 @@ class Dino(nn.Module):
         for segment in layout.segments:
             if segment != "one_to_one":  # the training-only segments' outputs carry the segment's name
                 outputs[f"{segment}_logits"], outputs[f"{segment}_boxes"] = logits[segment], boxes[segment]
+        if self.mask_dim:
+            mask_embeddings = layout.split(jnp.stack(all_mask_embeddings), axis=2)
+            outputs.update(mask_outputs, mask_embeddings=mask_embeddings["one_to_one"])
+            for segment in layout.segments:
+                if segment != "one_to_one":
+                    outputs[f"{segment}_mask_embeddings"] = mask_embeddings[segment]
         return outputs
