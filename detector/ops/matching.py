@@ -207,7 +207,7 @@ def dino_matching_cost(
     return class_weight * class_cost + l1_weight * l1_cost - giou_weight * giou
 
 
-def match_batch(pred_logits, pred_boxes, gt_labels, gt_boxes, gt_mask, **cost_kwargs):
+def match_batch(pred_logits, pred_boxes, gt_labels, gt_boxes, gt_mask, extra_cost=None, **cost_kwargs):
     """Hungarian matching of a batch of images under DINO's cost.
 
     Args:
@@ -217,6 +217,8 @@ def match_batch(pred_logits, pred_boxes, gt_labels, gt_boxes, gt_mask, **cost_kw
         gt_boxes: float ``[B, M, 4]`` normalised ``(cx, cy, w, h)``.
         gt_mask: bool ``[B, M]``, True for real boxes; images may have
             different numbers of them (including none).
+        extra_cost: float ``[B, N, M]`` added to DINO's cost (Mask DINO's
+            mask terms), or None.
         **cost_kwargs: weights for :func:`dino_matching_cost` (static).
 
     Returns:
@@ -224,8 +226,8 @@ def match_batch(pred_logits, pred_boxes, gt_labels, gt_boxes, gt_mask, **cost_kw
         and int32 ``[B, N]`` (-1 for unmatched queries).
     """
 
-    def one_image(logits, boxes, labels, gts, mask):
+    def one_image(logits, boxes, labels, gts, mask, extra):
         cost = dino_matching_cost(logits, boxes, labels, gts, **cost_kwargs)
-        return hungarian_assignment(cost, mask)
+        return hungarian_assignment(cost if extra is None else cost + extra, mask)
 
-    return jax.vmap(one_image)(pred_logits, pred_boxes, gt_labels, gt_boxes, jnp.asarray(gt_mask, bool))
+    return jax.vmap(one_image)(pred_logits, pred_boxes, gt_labels, gt_boxes, jnp.asarray(gt_mask, bool), extra_cost)

@@ -15,7 +15,7 @@ import input_pipeline
 import sharding
 from configs import default
 from detector.models import dino, families
-from detector.ops import deformable_attention, matching
+from detector.ops import deformable_attention, mask_losses, matching
 from detector.training import optim, steps
 from detector.training.run import create_run
 from detector.training.train_state import TrainState, describe_param_shardings, select_params, state_shardings
@@ -244,10 +244,12 @@ def continuous_dino(*, smooth_sampling: bool = True):
     rounding; a test of sharding bounds that difference. Three places in DINO
     turn a rounding-level difference into a finite one, and are replaced:
 
-    - The top-k proposal selection and the Hungarian matching are exact
-      functions of scores and costs that rounding can reorder on a near-tie.
+    - The top-k proposal selection, the Hungarian matching and Mask DINO's
+      choice of each mask's most uncertain points are exact functions of
+      scores, costs and logits that rounding can reorder on a near-tie.
       Here the first `count` valid proposals are selected, and gt slot g is
-      matched to query g (when the slot holds a box): fixed by position. The
+      matched to query g (when the slot holds a box), and each mask takes its
+      pool's first candidates: fixed by position. The
       matcher's and the selection's own sharding are tested on their own.
     - Bilinear sampling's derivative in a sampling location jumps where the
       location crosses a pixel edge, so a rounding-level move of one location
@@ -263,6 +265,14 @@ def continuous_dino(*, smooth_sampling: bool = True):
     """
     real_select, real_match = dino.select_proposals, matching.match_batch
     real_corners = deformable_attention._bilinear_corners
+    real_uncertain = mask_losses.uncertain_points
+
+    def first_candidates(pool_logits, num_points, oversample_ratio=3.0, importance_sample_ratio=0.75):
+        candidates, importance, fresh = mask_losses.point_pool_sizes(
+            num_points, oversample_ratio, importance_sample_ratio
+        )
+        chosen = jnp.concatenate([jnp.arange(importance), jnp.arange(candidates, candidates + fresh)]).astype(jnp.int32)
+        return jnp.broadcast_to(chosen, (*pool_logits.shape[:-1], num_points))
 
     def first_valid_proposals(scores, count, *distinct):
         rank = jnp.where(jnp.isfinite(scores), -jnp.arange(scores.shape[-1], dtype=jnp.float32), -jnp.inf)
@@ -275,6 +285,7 @@ def continuous_dino(*, smooth_sampling: bool = True):
         return query_for_gt, gt_for_query
 
     dino.select_proposals, matching.match_batch = first_valid_proposals, diagonal_matching
+    mask_losses.uncertain_points = first_candidates
     if smooth_sampling:
         deformable_attention._bilinear_corners = _smoothstep_sampling(real_corners)
     try:
@@ -282,6 +293,7 @@ def continuous_dino(*, smooth_sampling: bool = True):
     finally:
         dino.select_proposals, matching.match_batch = real_select, real_match
         deformable_attention._bilinear_corners = real_corners
+        mask_losses.uncertain_points = real_uncertain
 
 
 def spatial_config(image_size: int):
@@ -302,7 +314,20 @@ def random_batch(config, seed: int) -> dict[str, np.ndarray]:
     boxes = np.concatenate([corners, corners + sizes], axis=-1).astype(np.float32)
     boxes_mask = np.arange(m)[None, :] < rng.integers(1, 4, size=(b, 1))
     image_hw = np.stack([rng.integers(h // 2, h + 1, size=b), np.full(b, w)], -1).astype(np.int32)
+    masks = {}
+    if config.input.mask_stride:  # each box's inscribed ellipse at the mask cells; the first image's first box has none
+        stride = config.input.mask_stride
+        rows = (np.arange(-(-h // stride)) + 0.5) * stride
+        columns = (np.arange(-(-w // stride)) + 0.5) * stride
+        centre, half = (boxes[..., :2] + boxes[..., 2:]) / 2, (boxes[..., 2:] - boxes[..., :2]) / 2
+        inside = ((rows[:, None] - centre[..., 0, None, None]) / half[..., 0, None, None]) ** 2 + (
+            (columns[None, :] - centre[..., 1, None, None]) / half[..., 1, None, None]
+        ) ** 2 < 1
+        valid = boxes_mask.copy()
+        valid[0, 0] = False
+        masks = {"masks": np.packbits(inside & valid[..., None, None], axis=-1), "masks_valid": valid}
     return {
+        **masks,
         "image": rng.integers(0, 256, size=(b, h, w, 3), dtype=np.uint8),
         "image_hw": image_hw,
         # Resized on the host: the identity geometry.

@@ -181,6 +181,35 @@ def dino_config():
     return config
 
 
+# Mask DINO (the mask branch on the tiny DINO above, 8-wide embeddings, 64 points a mask), in one pass: DINO's
+# (39, 226, 21, 140 above) and the branch's FSDP-split kernels gathered for its convolutions and MLP, forward
+# and backward (42 all-gathers), its stride-4 map's rows moved between 'model' shards around the 3x3
+# convolution and the bilinear resize (36 collective-permutes, 1 all-to-all) and its gradients' one more
+# all-reduce.
+MASK_DINO_COLLECTIVES = {
+    "all-reduce": 40,
+    "all-gather": 268,
+    "reduce-scatter": 0,
+    "all-to-all": 22,
+    "collective-permute": 176,
+}
+
+
+def test_mask_dino_trains_identically_on_a_2x2x2_mesh():
+    """The mask branch's pixel embedding (its rows over `model`, as convolutions), the point-sampled mask
+    terms of matching and loss and their per-image points: one device's three steps on (2, 2, 2)."""
+    config = dino_config()
+    config.model.dino.mask_dim = 8
+    config.input.mask_stride = 4
+    config.loss.set_prediction.mask_points = 64
+    with continuous_dino():
+        reference, sharded = check_sharded_training(config, (2, 2, 2), DINO_SPECS, MASK_DINO_COLLECTIVES)
+    for expected, actual in zip(reference.metrics, sharded.metrics, strict=True):
+        assert expected["mask_loss"] > 0 and expected["dice_loss"] > 0
+        for key in ("mask_loss", "dice_loss"):
+            np.testing.assert_allclose(actual[key], expected[key], rtol=METRIC_RTOL, err_msg=key)
+
+
 def test_dino_trains_identically_on_a_2x2x2_mesh_in_micro_batches():
     """Denoising, the one-to-many branch and deformable attention with heads, FFN and widths split, each batch
     in 2 micro-batches: the update of one pass on one device.

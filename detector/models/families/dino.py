@@ -17,7 +17,14 @@ from detector.models.dino import Dino, encoder_proposals
 from detector.models.families.objective import Objective
 from detector.models.necks import ChannelMapper, SimpleFeaturePyramid
 from detector.models.query_layout import QueryLayout
-from detector.ops import denoising, losses, matching, postprocess
+from detector.ops import denoising, losses, mask_losses, matching, postprocess
+
+# The stride of Mask DINO's pixel embedding: the ground-truth masks must be on the same grid.
+MASK_STRIDE = 4
+# Folded into each image's key: the mask points' draws, apart from the denoising noise's.
+_MASK_MATCH_TAG, _MASK_LOSS_TAG = 0x4D4D00, 0x4D4C00
+# Offsets of the sets' indices within those tags: one-to-one layers and the encoder from 0, then these.
+_MANY_TAG, _DENOISING_TAG = 0x40, 0x80
 
 
 def create(config, num_classes: int, *, data_parallel_devices: int = 1) -> Dino:
@@ -54,6 +61,11 @@ def create(config, num_classes: int, *, data_parallel_devices: int = 1) -> Dino:
             f"inputs give only {selectable} encoder proposals on levels {dino.min_level}..{dino.max_level}; "
             "use fewer queries or larger images"
         )
+    if dino.mask_dim and config.input.mask_stride != MASK_STRIDE:
+        raise ConfigError(
+            f"model.dino.mask_dim={dino.mask_dim} needs the ground-truth masks on the pixel embedding's grid: set "
+            f"input.mask_stride={MASK_STRIDE} (it is {config.input.mask_stride})"
+        )
     if not 0.0 <= dino.distinct_query_iou < 1.0:
         raise ConfigError(
             f"model.dino.distinct_query_iou={dino.distinct_query_iou!r}; use 0 (off) or an IoU in (0, 1) (DDQ: 0.8)"
@@ -77,6 +89,7 @@ def create(config, num_classes: int, *, data_parallel_devices: int = 1) -> Dino:
         num_queries=dino.num_queries,
         num_one_to_many_queries=one_to_many,
         distinct_query_iou=dino.distinct_query_iou,
+        mask_dim=dino.mask_dim,
         remat=model_config.remat,
         dtype=dtype,
     )
@@ -164,6 +177,18 @@ def objective(config, model: nn.Module, num_classes: int) -> Objective:
         )
     if not isinstance(pairs, int) or isinstance(pairs, bool) or pairs < 0:
         raise ConfigError(f"model.dino.denoising_pairs={pairs!r}; use a whole number >= 0 (0: no denoising)")
+    with_masks = bool(dino.mask_dim)
+    mask_points = weights.mask_points
+    point_ratios = dict(
+        oversample_ratio=weights.mask_oversample_ratio, importance_sample_ratio=weights.mask_importance_ratio
+    )
+    if with_masks:
+        if not isinstance(mask_points, int) or isinstance(mask_points, bool) or mask_points < 1:
+            raise ConfigError(f"loss.set_prediction.mask_points={mask_points!r}; use a whole number >= 1 (12544)")
+        try:
+            mask_losses.point_pool_sizes(mask_points, **point_ratios)
+        except ValueError as error:
+            raise ConfigError(f"loss.set_prediction: {error} (Mask2Former: 3.0 and 0.75)") from error
 
     # The decoder's queries in training, each segment with its own targets and losses below.
     layout = QueryLayout(
@@ -186,31 +211,106 @@ def objective(config, model: nn.Module, num_classes: int) -> Objective:
             **loss_weights,
         )
 
-    def matched_losses(logits, boxes, targets):
-        """Each of the K sets `[K, B, Q, ...]` Hungarian-matched to `targets` on its own; its set loss terms `[K]`."""
+    def mask_cost(embeddings, masks, layer):
+        """Mask DINO's mask matching cost `[B, Q, M]` of queries' mask embeddings `[B, Q, C]` (no gradient).
+
+        Every query against every ground-truth mask at the same mask_points
+        uniform points per image; a slot without a mask costs 0 (its box alone matches it).
+        """
+        keys = mask_losses.fold_in_keys(masks["keys"], _MASK_MATCH_TAG + layer)
+        points = mask_losses.uniform_points(keys, mask_points)
+        logits = mask_losses.mask_logits_at_points(embeddings, masks["pixel_embedding"], points)
+        truth = jnp.take_along_axis(
+            mask_losses.mask_targets_at_points(masks["gt_masks"], points), masks["gt_source"][..., None], axis=1
+        )
+        cost = weights.match_mask_weight * mask_losses.mask_bce_cost(logits, truth)
+        cost = cost + weights.match_dice_weight * mask_losses.mask_dice_cost(logits, truth)
+        return jnp.where(masks["valid"][:, None, :], cost, 0.0)
+
+    def mask_row_losses(row_embeddings, row_gt, row_weight, masks, divisor, tag):
+        """Mask BCE and dice of rows of mask embeddings `[B, R, C]` against the ground-truth slot each is
+        trained on (`row_gt` int `[B, R]`, -1 for none), weighted by `row_weight` `[B, R]`.
+
+        Each row's mask_points are the most uncertain of its image's pool of
+        candidates plus fresh uniform ones (`mask_losses.uncertain_points`).
+        """
+        keys = mask_losses.fold_in_keys(masks["keys"], _MASK_LOSS_TAG + tag)
+        pool = mask_losses.importance_point_pool(keys, mask_points, **point_ratios)
+        pool_logits = mask_losses.mask_logits_at_points(row_embeddings, masks["pixel_embedding"], pool)
+        index = mask_losses.uncertain_points(pool_logits, mask_points, **point_ratios)
+        slot = jnp.maximum(row_gt, 0)
+        source = jnp.take_along_axis(masks["gt_source"], slot, axis=1)
+        truth_at_pool = jnp.take_along_axis(
+            mask_losses.mask_targets_at_points(masks["gt_masks"], pool), source[..., None], axis=1
+        )
+        logits = jnp.take_along_axis(pool_logits, index, axis=-1)
+        truth = jnp.take_along_axis(truth_at_pool, index, axis=-1)
+        row_weight = row_weight * ((row_gt >= 0) & jnp.take_along_axis(masks["valid"], slot, axis=1))
+        return {
+            "mask_loss": weights.mask_weight * mask_losses.sigmoid_bce_loss(logits, truth, row_weight, divisor),
+            "dice_loss": weights.dice_weight * mask_losses.dice_loss(logits, truth, row_weight, divisor),
+        }
+
+    def matched_losses(logits, boxes, targets, mask_embeddings=None, masks=None, tag=0):
+        """Each of the K sets `[K, B, Q, ...]` Hungarian-matched to `targets` on its own; its set loss terms `[K]`.
+
+        With `mask_embeddings` `[K, B, Q, C]` (Mask DINO), the matching cost
+        has the mask terms and the terms the mask losses of each set's
+        matched queries (`tag` + set index draws their points).
+        """
         stopped = jax.lax.stop_gradient
         with jax.named_scope("matching"):
-            _, query_to_gt = jax.vmap(
-                lambda lg, bx: matching.match_batch(
-                    lg, bx, targets["labels"], targets["boxes"], targets["mask"], **match_weights
+            extra = None
+            if mask_embeddings is not None:
+                layers = jnp.arange(mask_embeddings.shape[0])
+                # One set at a time: the [B, Q, P] logits of every set at once would be K times the memory.
+                extra = jax.lax.map(lambda a: mask_cost(a[0], masks, tag + a[1]), (stopped(mask_embeddings), layers))
+            gt_to_query, query_to_gt = jax.vmap(
+                lambda lg, bx, cost: matching.match_batch(
+                    lg, bx, targets["labels"], targets["boxes"], targets["mask"], extra_cost=cost, **match_weights
                 )
-            )(stopped(logits), stopped(boxes))
+            )(stopped(logits), stopped(boxes), extra)
         query_mask = jnp.broadcast_to(targets["example_mask"][:, None], query_to_gt.shape[1:])
         with jax.named_scope("loss"):
-            return jax.vmap(lambda lg, bx, q: set_loss(lg, bx, targets, q, query_mask)[1])(logits, boxes, query_to_gt)
+            terms = jax.vmap(lambda lg, bx, q: set_loss(lg, bx, targets, q, query_mask)[1])(logits, boxes, query_to_gt)
+            if mask_embeddings is not None:
+                # The rows are the ground-truth slots, each with the query matched to it.
+                slots = jnp.arange(gt_to_query.shape[-1])
+                weight = jnp.broadcast_to(targets["example_mask"][:, None], gt_to_query.shape[1:]).astype(jnp.float32)
 
-    def one_to_one_losses(outputs, targets):
+                def one_set(embeddings, matched, layer):
+                    rows = jnp.take_along_axis(embeddings, jnp.maximum(matched, 0)[..., None], axis=1)
+                    row_gt = jnp.where(matched >= 0, slots[None], -1)
+                    return mask_row_losses(rows, row_gt, weight, masks, targets["divisor"], tag + layer)
+
+                terms.update(jax.vmap(one_set)(mask_embeddings, gt_to_query, jnp.arange(gt_to_query.shape[0])))
+            return terms
+
+    def mask_terms(matched, scale=1.0):
+        """The summed mask terms of `matched`'s sets, times `scale` (none without masks)."""
+        if not with_masks:
+            return {}
+        return {"mask_loss": scale * jnp.sum(matched["mask_loss"]), "dice_loss": scale * jnp.sum(matched["dice_loss"])}
+
+    def one_to_one_losses(outputs, targets, masks):
         # Every decoder layer and the encoder proposals are matched on their own.
         logits = jnp.concatenate([outputs["logits"], outputs["encoder_logits"][None]])
         boxes = jnp.concatenate([outputs["boxes"], outputs["encoder_boxes"][None]])
-        matched = matched_losses(logits, boxes, targets)
+        mask_embeddings = None
+        if with_masks:
+            mask_embeddings = jnp.concatenate([outputs["mask_embeddings"], outputs["encoder_mask_embeddings"][None]])
+        matched = matched_losses(logits, boxes, targets, mask_embeddings, masks, tag=0)
+        encoder_loss = matched["cls_loss"][-1] + matched["l1_loss"][-1] + matched["giou_loss"][-1]
+        if with_masks:
+            encoder_loss = encoder_loss + matched["mask_loss"][-1] + matched["dice_loss"][-1]
         return {
             "cls_loss": jnp.sum(matched["cls_loss"]),
             "box_loss": jnp.sum(matched["l1_loss"]) + jnp.sum(matched["giou_loss"]),
-            "encoder_loss": matched["cls_loss"][-1] + matched["l1_loss"][-1] + matched["giou_loss"][-1],
+            **mask_terms(matched),
+            "encoder_loss": encoder_loss,
         }
 
-    def denoising_losses(outputs, targets):
+    def denoising_losses(outputs, targets, masks):
         noised = targets["noised"]
         valid = noised["valid"] & targets["example_mask"][:, None]
         dn_to_gt = jnp.where(noised["positive"] & valid, noised["gt_index"], -1)
@@ -221,17 +321,42 @@ def objective(config, model: nn.Module, num_classes: int) -> Objective:
             _, dn = jax.vmap(lambda lg, bx: set_loss(lg, bx, targets, dn_to_gt, dn_weight))(
                 outputs["denoising_logits"], outputs["denoising_boxes"]
             )
-        return {"cls_loss": jnp.sum(dn["cls_loss"]), "box_loss": jnp.sum(dn["l1_loss"]) + jnp.sum(dn["giou_loss"])}
+            if with_masks:  # each positive query learns its box's mask, as Mask DINO's mask denoising
+                layers = jnp.arange(outputs["denoising_mask_embeddings"].shape[0])
+                dn.update(
+                    jax.vmap(
+                        lambda embeddings, layer: mask_row_losses(
+                            embeddings, dn_to_gt, dn_weight, masks, targets["divisor"], _DENOISING_TAG + layer
+                        )
+                    )(outputs["denoising_mask_embeddings"], layers)
+                )
+        return {
+            "cls_loss": jnp.sum(dn["cls_loss"]),
+            "box_loss": jnp.sum(dn["l1_loss"]) + jnp.sum(dn["giou_loss"]),
+            **mask_terms(dn),
+        }
 
-    def one_to_many_losses(outputs, targets):
+    def one_to_many_losses(outputs, targets, masks):
         # H-DETR's hybrid branch: the same Hungarian matching and losses
         # against every box repeated K times, divided by the K n copies.
         repeated = {key: jnp.tile(targets[key], (1, repeats) + (1,) * (targets[key].ndim - 2)) for key in GT_KEYS}
         repeated = {**targets, **repeated, "divisor": targets["divisor"] * repeats}
-        many = matched_losses(outputs["one_to_many_logits"], outputs["one_to_many_boxes"], repeated)
+        mask_embeddings = None
+        if with_masks:  # the repeated slots point at their masks; no mask is copied
+            masks = {
+                **masks,
+                "gt_source": jnp.tile(masks["gt_source"], (1, repeats)),
+                "valid": jnp.tile(masks["valid"], (1, repeats)),
+            }
+            mask_embeddings = outputs["one_to_many_mask_embeddings"]
+        many = matched_losses(
+            outputs["one_to_many_logits"], outputs["one_to_many_boxes"], repeated, mask_embeddings, masks, tag=_MANY_TAG
+        )
+        scale = weights.one_to_many_weight
         return {
-            "cls_loss": weights.one_to_many_weight * jnp.sum(many["cls_loss"]),
-            "box_loss": weights.one_to_many_weight * (jnp.sum(many["l1_loss"]) + jnp.sum(many["giou_loss"])),
+            "cls_loss": scale * jnp.sum(many["cls_loss"]),
+            "box_loss": scale * (jnp.sum(many["l1_loss"]) + jnp.sum(many["giou_loss"])),
+            **mask_terms(many, scale),
         }
 
     segment_losses = {"denoising": denoising_losses, "one_to_one": one_to_one_losses, "one_to_many": one_to_many_losses}
@@ -257,7 +382,19 @@ def objective(config, model: nn.Module, num_classes: int) -> Objective:
         outputs = model.apply(
             {"params": params}, batch["image"], model_denoising, one_to_many=bool(layout.num_one_to_many)
         )
-        by_segment = {segment: segment_losses[segment](outputs, targets) for segment in layout.segments}
+        masks = None
+        if with_masks:
+            gt_masks = mask_losses.unpack_masks(batch["masks"], outputs["pixel_embedding"].shape[2])
+            masks = {
+                "gt_masks": gt_masks,
+                "valid": batch["masks_valid"] & gt_mask,
+                # Which of the image's masks a ground-truth slot is (the one-to-many branch repeats slots).
+                "gt_source": jnp.broadcast_to(jnp.arange(gt_mask.shape[1]), gt_mask.shape),
+                "pixel_embedding": outputs["pixel_embedding"],
+                # Each image's points from (step key, image id): the same on any device or micro-batch.
+                "keys": jax.vmap(lambda image_id: jax.random.fold_in(rng, image_id))(batch["image_id"]),
+            }
+        by_segment = {segment: segment_losses[segment](outputs, targets, masks) for segment in layout.segments}
         terms = {
             "cls_loss": sum(segment["cls_loss"] for segment in by_segment.values()),
             "box_loss": sum(segment["box_loss"] for segment in by_segment.values()),
@@ -266,6 +403,14 @@ def objective(config, model: nn.Module, num_classes: int) -> Objective:
             **{f"{name}_loss": s["cls_loss"] + s["box_loss"] for name, s in by_segment.items() if name != "one_to_one"},
             "num_positives": num_boxes,
         }
+        if with_masks:
+            for key in ("mask_loss", "dice_loss"):
+                terms[key] = sum(segment[key] for segment in by_segment.values())
+            # The training-only segments' own share counts their mask terms too.
+            for name, s in by_segment.items():
+                if name != "one_to_one":
+                    terms[f"{name}_loss"] = terms[f"{name}_loss"] + s["mask_loss"] + s["dice_loss"]
+            return terms["cls_loss"] + terms["box_loss"] + terms["mask_loss"] + terms["dice_loss"], terms
         return terms["cls_loss"] + terms["box_loss"], terms
 
     def detect(params, images):
