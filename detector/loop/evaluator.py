@@ -130,7 +130,9 @@ class Evaluator:
         self._background = bool(config.background_scoring)
         self._score = score or score_predictions
         # Columns, never a dict per box: a large validation set's ground truth is mostly its boxes.
-        self._ground_truth = CocoGroundTruth(**input_pipeline.coco_ground_truth_columns(config)) if is_primary else None
+        self._ground_truth = (
+            CocoGroundTruth.from_columns(input_pipeline.coco_ground_truth_columns(config)) if is_primary else None
+        )
         self._worker = (
             concurrent.futures.ThreadPoolExecutor(
                 max_workers=1, thread_name_prefix="coco_scoring", initializer=lower_thread_priority

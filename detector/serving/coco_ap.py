@@ -52,6 +52,8 @@ STAT_NAMES = tuple(name for name, *_ in _STATS)
 # The segm stats beside the box ones in one metrics dict (detectron2 logs them under "segm/AP" and "bbox/AP").
 MASK_STAT_NAMES = tuple("mask_" + name for name in STAT_NAMES)
 IOU_TYPES = ("bbox", "segm")
+# The input pipeline's ground-truth mask columns, in RleMasks' field order (CocoGroundTruth.from_columns).
+GROUND_TRUTH_MASK_COLUMNS = ("mask_heights", "mask_widths", "mask_counts", "mask_offsets")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -191,6 +193,35 @@ class CocoGroundTruth:
                 else None
             ),
         )
+
+    @classmethod
+    def from_columns(cls, columns: Mapping[str, np.ndarray]) -> CocoGroundTruth:
+        """From the input pipeline's ground-truth columns (`input_pipeline.coco_ground_truth_columns`).
+
+        The box columns are the fields of the same names; the mask columns
+        (mask_heights, mask_widths int32 [M], mask_counts uint8 [bytes],
+        mask_offsets int64 [M + 1]: COCO compressed RLE strings back to back)
+        become `segmentations`, present only where the source has a mask for
+        every box (else None: segm is not scored).
+        """
+        fields = dict(columns)
+        masks = [fields.pop(name, None) for name in GROUND_TRUTH_MASK_COLUMNS]
+        if any(m is None for m in masks) and not all(m is None for m in masks):
+            raise ValueError(f"ground-truth columns need all of {GROUND_TRUTH_MASK_COLUMNS} or none")
+        segmentations = None
+        if masks[0] is not None:
+            heights, widths, counts, offsets = masks
+            segmentations = RleMasks(
+                heights=np.asarray(heights, np.int32),
+                widths=np.asarray(widths, np.int32),
+                counts=np.asarray(counts, np.uint8),
+                offsets=np.asarray(offsets, np.int64),
+            )
+            if len(segmentations.heights) != len(fields["box_image_ids"]):
+                raise ValueError(
+                    f"{len(segmentations.heights)} ground-truth masks for {len(fields['box_image_ids'])} boxes"
+                )
+        return cls(**fields, segmentations=segmentations)
 
     def instances(self, image_ids: np.ndarray) -> dict[int, int]:
         """Category id -> non-crowd boxes among `image_ids` (int [n])."""

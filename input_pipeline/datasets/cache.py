@@ -8,9 +8,11 @@ A prepared split is a directory holding
                               in the source of the first record of the part
                               that wrote the shard, K the shard's number in
                               that part);
-  index.npz                   per-record image ids, sizes and all annotations,
-                              so ground truth and "which records have boxes"
-                              need no pass over the images;
+  index.npz                   per-record image ids, sizes and all annotations
+                              (with the boxes' masks as RLE run lengths when
+                              the records carry masks), so ground truth and
+                              "which records have boxes" need no pass over
+                              the images;
   manifest.json               record count, the shards in record order and
                               the size and edge checksum of each shard and of
                               the index, class names, category ids, the
@@ -51,7 +53,7 @@ from collections.abc import Iterable, Sequence
 import numpy as np
 from array_record.python import array_record_module
 
-from input_pipeline import progress, records
+from input_pipeline import masks, progress, records
 from input_pipeline.dataset_errors import DatasetError
 from input_pipeline.datasets import split_writer
 from input_pipeline.datasets.split_writer import FORMAT_VERSION, INDEX, MANIFEST, SHARD_BYTES
@@ -83,6 +85,7 @@ class PreparedSplit:
       counts: what the conversion saw, handled and skipped (see each source's
         documentation for the keys).
       fingerprint: identity of the source the split was converted from.
+      has_masks: whether the index holds the records' masks (`read_masks`).
     """
 
     directory: str
@@ -99,6 +102,28 @@ class PreparedSplit:
     category_ids: tuple[int, ...]
     counts: dict[str, int]
     fingerprint: str
+    has_masks: bool = False
+
+    def read_masks(self) -> tuple[np.ndarray, np.ndarray] | None:
+        """The boxes' masks from the index, None when the records carry none.
+
+        Read on demand, not at open: a large split's run lengths take hundreds
+        of MB that training never needs.
+
+        Returns:
+          (mask_runs int64 [M] runs of each box's mask, 0 for a box without
+          one; mask_run_lengths int64 [sum(mask_runs)] the COCO RLE run
+          lengths over each box's encoded image, column-major, zeros first,
+          one mask after another).
+        """
+        if not self.has_masks:
+            return None
+        path = os.path.join(self.directory, INDEX)
+        try:
+            with np.load(path) as index:
+                return tuple(np.asarray(index[name], np.int64) for name in split_writer.MASK_COLUMNS)
+        except (OSError, ValueError, KeyError, zipfile.BadZipFile) as e:
+            raise _broken(self.directory, f"{INDEX} cannot be read ({str(e).splitlines()[0][:120]})") from e
 
     def num_training_boxes(self) -> np.ndarray:
         """int64 [N]: boxes per record that are training targets (not crowd)."""
@@ -263,7 +288,8 @@ def load_split(directory: str, *, fingerprint: str | None = None) -> PreparedSpl
     index_path = _check_file(directory, manifest["index"])
     try:
         with np.load(index_path) as index:
-            arrays = {k: index[k] for k in index.files}
+            has_masks = all(name in index.files for name in split_writer.MASK_COLUMNS)
+            arrays = {k: index[k] for k in index.files if k not in split_writer.MASK_COLUMNS}
     except (OSError, ValueError, zipfile.BadZipFile) as e:
         raise _broken(directory, f"{INDEX} cannot be read ({str(e).splitlines()[0][:120]})") from e
     if len(arrays["image_ids"]) != manifest["num_records"]:
@@ -280,6 +306,7 @@ def load_split(directory: str, *, fingerprint: str | None = None) -> PreparedSpl
         category_ids=tuple(int(c) for c in manifest["category_ids"]),
         counts=dict(manifest["counts"]),
         fingerprint=manifest["fingerprint"],
+        has_masks=has_masks,
         **arrays,
     )
 
@@ -306,7 +333,10 @@ def ground_truth_columns(split: PreparedSplit) -> dict[str, np.ndarray]:
     """A prepared split's boxes as COCO ground-truth columns (original pixels, rounded to 1/1000).
 
     Keys as `coco_json.load_ground_truth_columns`. Crowd / ignore regions are
-    kept with is_crowd so COCO evaluation ignores detections on them.
+    kept with is_crowd so COCO evaluation ignores detections on them. The
+    mask columns (each box's mask over its image, as COCO compressed RLE) are
+    there when the records carry a mask for every box; a box-only source, or
+    any box whose mask conversion dropped, leaves them out (no segm scoring).
     """
     boxes_yxyx = split.boxes_yxyx.astype(np.float64)
     y0, x0, y1, x1 = (boxes_yxyx[:, i] for i in range(4))
@@ -319,6 +349,33 @@ def ground_truth_columns(split: PreparedSplit) -> dict[str, np.ndarray]:
         "boxes_xywh": np.round(np.stack([x0, y0, width, height], axis=1), 3),
         "areas": np.round(width * height, 3),
         "is_crowd": np.asarray(split.is_crowd, bool),
+        **_mask_columns(split),
+    }
+
+
+def _mask_columns(split: PreparedSplit) -> dict[str, np.ndarray]:
+    """mask_heights, mask_widths int32 [M], mask_counts uint8 [bytes], mask_offsets int64 [M + 1]; {} without masks.
+
+    Each mask's compressed RLE string comes from `masks.run_lengths_to_string`,
+    a Python loop over its runs (about a microsecond per run, so a few hundred
+    microseconds for a COCO-sized instance): fine for a validation set, the
+    only split scored.
+    """
+    stored = split.read_masks()
+    if stored is None:
+        return {}
+    runs, run_lengths = stored
+    if len(runs) != len(split.labels) or not (runs > 0).all():
+        return {}
+    run_offsets = np.concatenate([[0], np.cumsum(runs)]).tolist()
+    strings = [masks.run_lengths_to_string(run_lengths[a:b]) for a, b in zip(run_offsets[:-1], run_offsets[1:])]
+    lengths = np.fromiter(map(len, strings), np.int64, len(strings))
+    per_box = np.diff(split.box_offsets)
+    return {
+        "mask_heights": np.repeat(np.asarray(split.heights, np.int32), per_box),
+        "mask_widths": np.repeat(np.asarray(split.widths, np.int32), per_box),
+        "mask_counts": np.frombuffer(b"".join(strings), np.uint8).copy(),
+        "mask_offsets": np.concatenate([[0], np.cumsum(lengths)]).astype(np.int64),
     }
 
 

@@ -49,6 +49,7 @@ from typing import Any
 
 import numpy as np
 
+from input_pipeline import masks
 from input_pipeline.dataset_errors import DatasetError
 from input_pipeline.datasets import box_checks, json_stream
 from input_pipeline.datasets.column_files import ColumnFiles
@@ -479,7 +480,18 @@ def load_ground_truth_columns(json_path: str) -> dict[str, np.ndarray]:
       image_ids int64 [I] (ascending), category_ids int64 [K] (ascending),
       and per box: box_image_ids, box_category_ids int64 [M], boxes_xywh
       float64 [M, 4] as written, areas float64 [M] (`area`, else w * h),
-      is_crowd bool [M].
+      is_crowd bool [M]. When every one of the M annotations has a usable
+      `segmentation` and its image's `height` and `width` are in the JSON,
+      also each box's mask in image pixels as pycocotools' `annToRLE` makes
+      it (polygon parts merged, uncompressed RLE such as crowd regions
+      compressed, compressed RLE as written; an empty polygon list an empty
+      mask), as COCO compressed RLE strings: mask_heights, mask_widths int32
+      [M], mask_counts uint8 [bytes] the strings back to back, mask_offsets
+      int64 [M + 1] (mask i is mask_counts[mask_offsets[i]:mask_offsets[i + 1]]).
+      One annotation without a segmentation, with one that cannot be a mask
+      (`masks.run_lengths_from_segmentation`'s invalid_mask or
+      mask_size_mismatch), or of an image without a size in the JSON leaves
+      the mask columns out: masks are then not scored (no segm AP).
 
     Raises:
       DatasetError: the JSON is unusable (see module doc).
@@ -487,8 +499,20 @@ def load_ground_truth_columns(json_path: str) -> dict[str, np.ndarray]:
     json_path = os.fspath(json_path)
     outline = _outline(json_path)
     categories = _parse_categories(outline, json_path)
-    image_ids = _read_images(outline, json_path, ColumnFiles(None))
+    image_columns = ColumnFiles(None)
+    image_ids = _read_images(outline, json_path, image_columns)
+    sizes = dict(
+        zip(image_ids.tolist(), zip(image_columns.read("height").tolist(), image_columns.read("width").tolist()))
+    )
     box_images, box_categories, boxes, areas, crowd = (array.array(code) for code in "qqddb")
+    # The masks while every annotation so far has one: sizes, string lengths, the strings back to back.
+    mask_heights, mask_widths, mask_lengths, mask_counts = (
+        array.array("i"),
+        array.array("i"),
+        array.array("q"),
+        bytearray(),
+    )
+    with_masks = True
     for ann in _scorable_annotations(outline, json_path, image_ids, categories):
         box_images.append(ann["image_id"])
         box_categories.append(ann["category_id"])
@@ -497,7 +521,18 @@ def load_ground_truth_columns(json_path: str) -> dict[str, np.ndarray]:
         area = ann.get("area")
         areas.append(float(area) if box_checks.is_number(area, finite=True) else bbox[2] * bbox[3])
         crowd.append(bool(ann.get("iscrowd", 0)))
-    return {
+        if with_masks:
+            height, width = sizes[ann["image_id"]]
+            counts = _mask_string(ann.get("segmentation"), height, width)
+            if counts is None:
+                with_masks = False
+                del mask_heights, mask_widths, mask_lengths, mask_counts
+                continue
+            mask_heights.append(height)
+            mask_widths.append(width)
+            mask_lengths.append(len(counts))
+            mask_counts += counts
+    columns = {
         "image_ids": image_ids,
         "category_ids": np.asarray(categories.category_ids, np.int64),
         "box_image_ids": np.frombuffer(box_images, np.int64).copy(),
@@ -506,6 +541,40 @@ def load_ground_truth_columns(json_path: str) -> dict[str, np.ndarray]:
         "areas": np.frombuffer(areas, np.float64).copy(),
         "is_crowd": np.frombuffer(crowd, np.int8).astype(bool),
     }
+    if with_masks:
+        columns["mask_heights"] = np.frombuffer(mask_heights, np.int32).copy()
+        columns["mask_widths"] = np.frombuffer(mask_widths, np.int32).copy()
+        columns["mask_counts"] = np.frombuffer(bytes(mask_counts), np.uint8).copy()
+        lengths = np.frombuffer(mask_lengths, np.int64)
+        columns["mask_offsets"] = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int64)
+    return columns
+
+
+def _mask_string(segmentation: Any, height: int, width: int) -> bytes | None:
+    """An annotation's mask over its height x width image as a COCO compressed RLE string, None where none can be.
+
+    None for no segmentation, an image whose size the JSON does not give
+    (`height` or `width` 0), and a segmentation that cannot be a mask of
+    that image (`masks.run_lengths_from_segmentation`); an empty mask (an
+    empty polygon list, a polygon covering no pixel's centre) is a mask.
+    """
+    import hotcoco
+
+    if segmentation is None or not height or not width:
+        return None
+    run_lengths, problem = masks.run_lengths_from_segmentation(segmentation, height, width)
+    if problem == "empty_mask":
+        return masks.run_lengths_to_string(np.array([height * width], np.int64))
+    if run_lengths is None:
+        return None
+    if isinstance(segmentation, dict):
+        counts = segmentation["counts"]
+        # Compressed as written (pycocotools takes it as is); uncompressed (crowd regions, a few per image)
+        # compressed by a Python loop over the runs.
+        return counts.encode("ascii") if isinstance(counts, str) else masks.run_lengths_to_string(run_lengths)
+    # Polygons: hotcoco rasterised them to check them; once more for the string costs less than a Python loop.
+    counts = hotcoco.mask.merge(hotcoco.mask.frPyObjects(segmentation, height, width))["counts"]
+    return counts.encode("ascii") if isinstance(counts, str) else bytes(counts)
 
 
 def load_ground_truth(json_path: str) -> dict[str, Any]:

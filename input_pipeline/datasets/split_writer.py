@@ -41,8 +41,9 @@ from input_pipeline.datasets.column_files import ColumnFiles
 MANIFEST = "manifest.json"
 INDEX = "index.npz"
 # 2: the manifest holds each file's size and edge checksum (see edge_checksum). 3: COCO-format folders'
-# records carry their instances' masks (records.py).
-FORMAT_VERSION = 3
+# records carry their instances' masks (records.py). 4: the index holds the records' masks (mask_runs,
+# mask_run_lengths) for mask-AP ground truth.
+FORMAT_VERSION = 4
 # One record per group: a random read decodes only the record it wants.
 _WRITER_OPTIONS = "group_size:1"
 # Shards of about this size keep file counts low for millions of images
@@ -64,7 +65,16 @@ _INDEX_COLUMNS = {
     "boxes_yxyx": np.float32,
     "labels": np.int32,
     "is_crowd": bool,
+    # Each box's mask as COCO RLE run lengths over its encoded image (records.SourceExample): runs per box (0:
+    # no mask), then all the run lengths. Written to index.npz only when some record carries masks.
+    "mask_runs": np.int64,
+    "mask_run_lengths": np.int64,
 }
+# The index's mask members: cache.load_split leaves them on disk until ground truth asks for them (a COCO
+# train split's run lengths are hundreds of MB).
+MASK_COLUMNS = ("mask_runs", "mask_run_lengths")
+# Index columns with one value (or four) per box, or per run length: concatenated, not one value per record.
+_RAGGED_COLUMNS = ("boxes_yxyx", "labels", "is_crowd", "mask_runs", "mask_run_lengths")
 
 
 def write_error(directory: str, error: BaseException) -> DatasetError:
@@ -131,6 +141,7 @@ class PartWriter:
         self._columns = ColumnFiles(os.path.join(directory, f".index-{part_name(start)}"))
         self._pending: dict[str, list] = collections.defaultdict(list)
         self._writer, self._written, self._shards = None, 0, []
+        self._has_masks = False  # whether any record carried masks (its boxes without one count 0 runs)
         self.num_records = 0
 
     def __enter__(self) -> PartWriter:
@@ -159,6 +170,12 @@ class PartWriter:
         pending["boxes_yxyx"].append(np.asarray(example.boxes_yxyx, np.float32).reshape(n * 4))
         pending["labels"].append(np.asarray(example.labels, np.int32).reshape(n))
         pending["is_crowd"].append(np.asarray(example.is_crowd, bool).reshape(n))
+        if example.mask_runs is None:
+            pending["mask_runs"].append(np.zeros([n], np.int64))
+        else:
+            self._has_masks = True
+            pending["mask_runs"].append(np.asarray(example.mask_runs, np.int64).reshape(n))
+            pending["mask_run_lengths"].append(np.asarray(example.mask_run_lengths, np.int64).reshape(-1))
         if len(pending["image_ids"]) >= _INDEX_FLUSH_ROWS:
             self._flush_index()
 
@@ -166,7 +183,7 @@ class PartWriter:
         try:
             for name, dtype in _INDEX_COLUMNS.items():
                 values = self._pending.pop(name, [])
-                if name in ("boxes_yxyx", "labels", "is_crowd"):
+                if name in _RAGGED_COLUMNS:
                     array = np.concatenate(values).astype(dtype) if values else np.zeros([0], dtype)
                 else:
                     array = np.asarray(values, dtype)
@@ -195,6 +212,7 @@ class PartWriter:
         describe = {
             "start": self._start,
             "num_records": self.num_records,
+            "has_masks": self._has_masks,
             "shards": self._shards,
             "counts": {k: int(v) for k, v in sorted((self._counts or {}).items())},
         }
@@ -261,6 +279,9 @@ def _write_index(directory: str, parts: Sequence[dict]) -> int:
 
     shapes = {"image_ids": (num_records,), "heights": (num_records,), "widths": (num_records,)}
     shapes.update({"boxes_yxyx": (num_boxes, 4), "labels": (num_boxes,), "is_crowd": (num_boxes,)})
+    if any(p.get("has_masks") for p in parts):
+        num_run_lengths = sum(c.length("mask_run_lengths") for c in columns)
+        shapes.update({"mask_runs": (num_boxes,), "mask_run_lengths": (num_run_lengths,)})
     with zipfile.ZipFile(os.path.join(directory, INDEX), "w", zipfile.ZIP_STORED, allowZip64=True) as archive:
         for name, shape in shapes.items():
             _write_npy_member(archive, name, _INDEX_COLUMNS[name], shape, column(name))

@@ -456,3 +456,55 @@ def test_segmentations_become_pycocotools_masks_and_bad_ones_leave_the_box_alone
     np.testing.assert_array_equal(_mask_of(second, 0), reference.annToMask(reference.dataset["annotations"][3]) > 0)
     assert counts["invalid_mask"] == 3 and counts["mask_size_mismatch"] == 1 and counts["empty_mask"] == 1
     assert len(first.labels) == 9  # every box kept, with or without its mask
+
+
+def test_ground_truth_columns_carry_pycocotools_masks_when_every_box_has_one(tmp_path):
+    """Mask columns decode to pycocotools' annToMask: polygon parts merged, compressed and crowd RLE."""
+    from pycocotools import mask as coco_mask
+    from pycocotools.coco import COCO
+
+    images = [
+        {"id": 1, "file_name": "a.png", "width": 40, "height": 30},
+        {"id": 2, "file_name": "b.png", "width": 24, "height": 20},
+    ]
+    ring = np.zeros([30, 40], np.uint8)
+    ring[5:25, 10:30] = 1
+    ring[10:20, 15:25] = 0
+    compressed = coco_mask.encode(np.asfortranarray(ring))
+    crowd = np.zeros([20, 24], np.uint8)
+    crowd[0:6, 3:8] = 1
+    crowd_runs = [int(v) for v in masks.run_lengths_of_mask(crowd)]
+    annotations = [
+        _ann(2, [3, 3, 10, 10], segmentation=[[3, 3, 13, 3, 13, 13, 3, 13]]),
+        _ann(1, [2, 2, 30, 20], segmentation=[[2.0, 2.0, 12.5, 2.0, 7.0, 12.0], [20, 3, 31.5, 3, 31.5, 14, 20, 14]]),
+        _ann(1, [10, 5, 20, 20], segmentation={"size": [30, 40], "counts": compressed["counts"].decode("ascii")}),
+        _ann(2, [3, 0, 5, 6], iscrowd=1, segmentation={"size": [20, 24], "counts": crowd_runs}),
+        _ann(1, [0, 0, 0, 1], segmentation=[[1, 1, 5, 5]]),  # not scorable (empty box): its mask is no matter
+    ]
+    for i, annotation in enumerate(annotations):
+        annotation.update(id=i + 1, area=10.0)
+    json_path = _write_json(tmp_path / "instances.json", images, annotations)
+
+    columns = coco_json.load_ground_truth_columns(json_path)
+    reference = COCO(json_path)
+    scored = annotations[:4]
+    assert len(columns["mask_heights"]) == len(columns["mask_offsets"]) - 1 == len(scored)
+    assert columns["mask_heights"].dtype == np.int32 and columns["mask_widths"].dtype == np.int32
+    assert columns["mask_counts"].dtype == np.uint8 and columns["mask_offsets"].dtype == np.int64
+    data, offsets = columns["mask_counts"].tobytes(), columns["mask_offsets"]
+    for i, annotation in enumerate(scored):
+        size = [int(columns["mask_heights"][i]), int(columns["mask_widths"][i])]
+        rle = {"size": size, "counts": data[offsets[i] : offsets[i + 1]]}
+        expected = reference.annToMask(reference.anns[annotation["id"]])
+        assert expected.any()
+        np.testing.assert_array_equal(coco_mask.decode(rle), expected)
+
+    # One scorable annotation without a segmentation, or one that is no mask: no mask columns at all.
+    for odd in (_ann(1, [1, 1, 5, 5]), _ann(1, [1, 1, 5, 5], segmentation={"size": [31, 40], "counts": "PT1"})):
+        json_path = _write_json(tmp_path / "odd.json", images, scored + [odd])
+        columns = coco_json.load_ground_truth_columns(json_path)
+        assert len(columns["areas"]) == 5
+        assert not any(name.startswith("mask_") for name in columns)
+    # Polygons of an image without its size in the JSON: no mask columns either.
+    json_path = _write_json(tmp_path / "sizeless.json", [images[0], {"id": 2, "file_name": "b.png"}], scored)
+    assert "mask_counts" not in coco_json.load_ground_truth_columns(json_path)

@@ -124,3 +124,28 @@ def test_prepared_split_ground_truth_columns_are_its_dicts(tmp_path):
     np.testing.assert_array_equal(columns["areas"], [a["area"] for a in annotations])
     y0, x0, y1, x1 = split.boxes_yxyx[0].astype(np.float64)
     np.testing.assert_allclose(columns["boxes_xywh"][0], [x0, y0, x1 - x0, y1 - y0], atol=5e-4)
+
+
+def test_prepared_split_ground_truth_carries_the_generators_masks(tmp_path):
+    """The synthetic eval split's ground truth holds each object's mask, as COCO compressed RLE in columns."""
+    from pycocotools import mask as coco_mask
+
+    from tests.helpers.pipeline_config import N_EVAL, SIZE
+
+    split = input_pipeline.prepare_split(make_config(tmp_path), "eval")
+    columns = cache.ground_truth_columns(split)
+    assert split.has_masks and "mask_runs" not in vars(split)
+    assert len(columns["mask_heights"]) == len(columns["mask_widths"]) == len(columns["areas"])
+    assert (columns["mask_heights"] == SIZE).all() and (columns["mask_widths"] == SIZE).all()
+    data, offsets = columns["mask_counts"].tobytes(), columns["mask_offsets"]
+    assert offsets[0] == 0 and offsets[-1] == len(data)
+    decoded = np.stack(
+        [
+            coco_mask.decode({"size": [SIZE, SIZE], "counts": data[offsets[i] : offsets[i + 1]]})
+            for i in range(len(offsets) - 1)
+        ]
+    ).astype(bool)
+    assert sorted(columns["image_ids"].tolist()) == list(range(1, N_EVAL + 1))
+    for image_id in columns["image_ids"].tolist():
+        expected = ss.generate_example("validation", image_id - 1, SIZE).masks
+        np.testing.assert_array_equal(decoded[columns["box_image_ids"] == image_id], expected)

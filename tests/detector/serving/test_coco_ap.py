@@ -424,3 +424,47 @@ def test_detections_with_masks_concatenate_select_and_columns():
     assert coco_ap.CocoDetections.from_columns(empty_without_masks.to_columns()).masks is None
     with pytest.raises(ValueError, match="with masks and detections without"):
         coco_ap.CocoDetections.concatenate([detections, dataclasses.replace(detections, masks=None)])
+
+
+def test_ground_truth_from_input_pipeline_columns_scores_its_own_masks_perfectly(tmp_path):
+    """A COCO folder's ground-truth columns (masks included) -> CocoGroundTruth.from_columns -> segm AP 1.0."""
+    import json
+
+    from input_pipeline.datasets import coco_json
+
+    ground_truth, _ = _segm_dataset(0)
+    ground_truth["images"] = [{**i, "file_name": f"{i['id']}.png"} for i in ground_truth["images"]]
+    path = tmp_path / "instances.json"
+    path.write_text(json.dumps(ground_truth))
+    columns = coco_json.load_ground_truth_columns(str(path))
+    ours = coco_ap.CocoGroundTruth.from_columns(columns)
+    reference = coco_ap.CocoGroundTruth.from_coco(ground_truth)
+    for field in dataclasses.fields(coco_ap.CocoGroundTruth):
+        if field.name != "segmentations":
+            np.testing.assert_array_equal(getattr(ours, field.name), getattr(reference, field.name))
+    decoded = [mask_utils.decode(r) for r in ours.segmentations.to_coco()]
+    assert len(decoded) == len(ground_truth["annotations"])
+    for mask, expected in zip(decoded, (mask_utils.decode(r) for r in reference.segmentations.to_coco())):
+        np.testing.assert_array_equal(mask, expected)
+    # Box-only columns give no segmentations; a partial set of mask columns is refused.
+    box_only = {k: v for k, v in columns.items() if not k.startswith("mask_")}
+    assert coco_ap.CocoGroundTruth.from_columns(box_only).segmentations is None
+    with pytest.raises(ValueError, match="all of"):
+        coco_ap.CocoGroundTruth.from_columns({**box_only, "mask_counts": columns["mask_counts"]})
+
+    # The ground truth's own (non-crowd) masks as detections: every object found exactly.
+    keep = ~ours.is_crowd
+    rles = [r for r, k in zip(ours.segmentations.to_coco(), keep) if k]
+    detections = coco_ap.CocoDetections(
+        image_ids=ours.box_image_ids[keep],
+        category_ids=ours.box_category_ids[keep],
+        boxes_xywh=ours.boxes_xywh[keep],
+        scores=np.linspace(1.0, 0.5, int(keep.sum())),
+        masks=coco_ap.RleMasks.from_coco(rles),
+    )
+    scored = coco_ap.evaluate(ours, detections, iou_type="segm")
+    assert scored.stats["AP"] == 1.0 and scored.stats["AR100"] == 1.0
+    # Any mask moved off its object is no longer a perfect score: the masks, not the boxes, are matched.
+    shifted = [mask_utils.encode(np.asfortranarray(np.roll(mask_utils.decode(r), 3, axis=1))) for r in rles]
+    moved = dataclasses.replace(detections, masks=coco_ap.RleMasks.from_coco(shifted))
+    assert coco_ap.evaluate(ours, moved, iou_type="segm").stats["AP"] < 1.0
