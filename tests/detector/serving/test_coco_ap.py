@@ -72,12 +72,12 @@ def _dataset(seed: int, num_images: int = 40, num_categories: int = 7):
     return {"images": images, "annotations": annotations, "categories": categories}, [r for r in results if r]
 
 
-def _pycocotools(ground_truth, results, image_ids=None):
+def _pycocotools(ground_truth, results, image_ids=None, iou_type="bbox"):
     with contextlib.redirect_stdout(io.StringIO()):
         gt = COCO()
-        gt.dataset = ground_truth
+        gt.dataset = copy.deepcopy(ground_truth)  # loadRes and COCOeval write into the dicts
         gt.createIndex()
-        evaluator = COCOeval(gt, gt.loadRes(results), iouType="bbox")
+        evaluator = COCOeval(gt, gt.loadRes(copy.deepcopy(results)), iouType=iou_type)
         if image_ids is not None:
             evaluator.params.imgIds = list(image_ids)
         evaluator.evaluate()
@@ -253,17 +253,7 @@ def _segm_dataset(seed):
 
 
 def _pycocotools_segm(ground_truth, results, image_ids=None):
-    with contextlib.redirect_stdout(io.StringIO()):
-        gt = COCO()
-        gt.dataset = copy.deepcopy(ground_truth)  # loadRes and COCOeval write into the dicts
-        gt.createIndex()
-        evaluator = COCOeval(gt, gt.loadRes(copy.deepcopy(results)), iouType="segm")
-        if image_ids is not None:
-            evaluator.params.imgIds = list(image_ids)
-        evaluator.evaluate()
-        evaluator.accumulate()
-        evaluator.summarize()
-    return evaluator
+    return _pycocotools(ground_truth, results, image_ids, iou_type="segm")
 
 
 def _detections_with_wrong_boxes(results, ground_truth):
