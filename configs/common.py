@@ -466,6 +466,10 @@ def base_config() -> ml_collections.ConfigDict:
     config.eval_every_steps = 500
     config.checkpoint_every_steps = 500
     config.keep_checkpoints = 3
+    # The evaluation metric WORKDIR/best keeps the highest of: "AP" (box), or
+    # with masks (model.dino.mask_dim > 0) "mask_AP"; any COCO stat name works
+    # ("AP50", "mask_AP75", ...).
+    config.best_metric = "AP"
     # Steps with a non-finite loss or gradient are skipped on device and counted;
     # this many in a row stop training with an error (0: never stop).
     config.max_consecutive_nonfinite = 10

@@ -26,15 +26,31 @@ from jax.experimental import multihost_utils
 
 import input_pipeline
 import sharding
+from detector.errors import ConfigError
 from detector.loop import plots
 from detector.loop.metric_writers import MetricWriter
 from detector.serving import coco_evaluation, drawing
-from detector.serving.coco_ap import CocoGroundTruth
+from detector.serving.coco_ap import MASK_STAT_NAMES, STAT_NAMES, CocoGroundTruth
 from detector.training import checkpointing
 from input_pipeline.progress import track
 
 # The metrics of eval_metrics.jsonl and the log line, in their order.
 LOGGED_METRICS = ("AP", "AP50", "AP75", "APs", "APm", "APl", "AR100")
+# With masks scored, their stats are logged beside the boxes'.
+LOGGED_MASK_METRICS = tuple(f"mask_{name}" for name in LOGGED_METRICS)
+
+
+def best_metric(config: ml_collections.ConfigDict) -> str:
+    """`config.best_metric`, checked: a COCO stat name, a mask one only for a model that predicts masks."""
+    name = config.best_metric
+    if name not in STAT_NAMES and name not in MASK_STAT_NAMES:
+        raise ConfigError(
+            f"best_metric={name!r}; use a COCO stat name: {', '.join(STAT_NAMES)}, or with masks mask_AP, ..."
+        )
+    if name in MASK_STAT_NAMES and not (config.model.name == "dino" and config.model.dino.mask_dim):
+        raise ConfigError(f"best_metric={name!r} needs a model that predicts masks (model.dino.mask_dim > 0)")
+    return name
+
 
 # What process 0 tells the others about the pending scoring.
 _PENDING, _SCORED, _FAILED = 0, 1, 2
@@ -129,10 +145,17 @@ class Evaluator:
         self._ema = float(config.optimizer.ema_decay) > 0
         self._background = bool(config.background_scoring)
         self._score = score or score_predictions
+        self._best_metric = best_metric(config)
         # Columns, never a dict per box: a large validation set's ground truth is mostly its boxes.
         self._ground_truth = (
             CocoGroundTruth.from_columns(input_pipeline.coco_ground_truth_columns(config)) if is_primary else None
         )
+        if self._ground_truth is not None and self._best_metric in MASK_STAT_NAMES:
+            if self._ground_truth.segmentations is None:
+                raise ConfigError(
+                    f"best_metric={self._best_metric!r}, but the validation set's ground truth has no mask for "
+                    "every box, so no mask AP is scored; use best_metric='AP' or a validation set with masks"
+                )
         self._worker = (
             concurrent.futures.ThreadPoolExecutor(
                 max_workers=1, thread_name_prefix="coco_scoring", initializer=lower_thread_priority
@@ -230,7 +253,9 @@ class Evaluator:
         if self._is_primary and (wait or pending.future.done()):
             try:
                 evaluation = pending.future.result()
-                metrics, ap, status = evaluation.metrics, float(evaluation.metrics["AP"]), _SCORED
+                metrics, status = evaluation.metrics, _SCORED
+                # No detections at all leave the mask stats out: nothing scored, as 0.
+                ap = float(evaluation.metrics.get(self._best_metric, 0.0))
             except Exception:  # noqa: BLE001  a failed scoring loses this evaluation, not the run
                 logging.exception("scoring the evaluation of step %d failed; it is not recorded", pending.step)
                 status = _FAILED
@@ -243,7 +268,7 @@ class Evaluator:
         checkpointing.save_if_best(self._best_manager, pending.step, pending.params, ap)
         if metrics is None:
             return None
-        summary = {k: metrics[k] for k in LOGGED_METRICS}
+        summary = {k: metrics[k] for k in (*LOGGED_METRICS, *LOGGED_MASK_METRICS) if k in metrics}
         logging.info(
             "eval step %d%s: %s (scored %.1fs after prediction)",
             pending.step,

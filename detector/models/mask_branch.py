@@ -18,6 +18,10 @@ import jax.numpy as jnp
 
 from detector.models.layers import constrain_activation, conv, group_norm, relu
 
+# Network pixels per cell of the pixel embedding (the backbone's level 2): the grid of the ground-truth
+# masks the losses compare with and of the mask logits prediction returns.
+STRIDE = 4
+
 
 class PixelEmbedding(nn.Module):
     """The pixel embedding map from the backbone's stride-4 features and the encoder's finest level.

@@ -90,17 +90,23 @@ def _detect_one(
     return _class_aware_nms(boxes, top_scores, classes, iou_threshold, max_detections)
 
 
-def _class_aware_nms(boxes_yxyx, scores, classes, iou_threshold: float, max_detections: int) -> dict[str, jax.Array]:
-    """One image's candidates `[K, 4]`, `[K]` (-inf: dropped), `[K]` -> the detections dict of `detect`."""
+def _class_aware_nms(
+    boxes_yxyx, scores, classes, iou_threshold: float, max_detections: int, queries=None
+) -> dict[str, jax.Array]:
+    """One image's candidates `[K, 4]`, `[K]` (-inf: dropped), `[K]` -> the detections dict of `detect`
+    (with `queries` `[K]`, each kept candidate's too)."""
     # Masking the IoU matrix by class equality rather than offsetting boxes
     # per class keeps IoUs exact (large offsets cost float32 precision).
     keep, valid = non_max_suppression(boxes_yxyx, scores, iou_threshold, max_detections, classes=classes)
-    return {
+    kept = {
         "boxes": jnp.where(valid[:, None], boxes_yxyx[keep], 0.0),
         "scores": jnp.where(valid, scores[keep], 0.0),
         "classes": jnp.where(valid, classes[keep], 0),
         "valid": valid,
     }
+    if queries is not None:
+        kept["queries"] = jnp.where(valid, queries[keep], 0)
+    return kept
 
 
 def detect(
@@ -175,6 +181,7 @@ def detect_from_queries(
     score_threshold: float = 0.0,
     nms_iou_threshold: float = 0.0,
     pre_nms_top_k: int = 1000,
+    return_queries: bool = False,
 ) -> dict[str, jax.Array]:
     """Detections of a set predictor (DETR family): the top scores over queries x classes, NMS optional.
 
@@ -194,11 +201,13 @@ def detect_from_queries(
         nms_iou_threshold: 0: no NMS; else a kept detection suppresses the
             lower-scoring ones of its class whose IoU with it exceeds this.
         pre_nms_top_k: with NMS, the (query, class) pairs it considers (at most N * C).
+        return_queries: also return queries int32 ``[B, D]``, the query each
+            detection comes from (what its mask or other per-query output is).
 
     Returns:
         dict: boxes float32 ``[B, D, 4]`` yxyx in network-input pixels clipped
         to the image, scores float32 ``[B, D]`` descending, classes int32
-        ``[B, D]``, valid bool ``[B, D]``.
+        ``[B, D]``, valid bool ``[B, D]`` (and queries).
     """
     logits = jnp.asarray(logits, jnp.float32)
     batch, num_queries, num_classes = logits.shape
@@ -211,9 +220,13 @@ def detect_from_queries(
     size = jnp.asarray([image_height, image_width, image_height, image_width], jnp.float32)
     boxes = jnp.clip(boxes * size, 0.0, size)
     if nms_iou_threshold <= 0:
-        return {"boxes": boxes, "scores": scores, "classes": classes, "valid": scores > score_threshold}
+        detections = {"boxes": boxes, "scores": scores, "classes": classes, "valid": scores > score_threshold}
+        if return_queries:
+            detections["queries"] = query.astype(jnp.int32)
+        return detections
 
     scores = jnp.where(scores > score_threshold, scores, -jnp.inf)
-    return jax.vmap(lambda b, s, c: _class_aware_nms(b, s, c, nms_iou_threshold, max_detections))(
-        boxes, scores, classes
+    queries = query.astype(jnp.int32) if return_queries else None
+    return jax.vmap(lambda b, s, c, q: _class_aware_nms(b, s, c, nms_iou_threshold, max_detections, q))(
+        boxes, scores, classes, queries
     )

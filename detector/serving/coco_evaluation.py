@@ -21,8 +21,9 @@ import jax
 import numpy as np
 from etils import epath
 
-from detector.serving import coco_ap
-from detector.serving.coco_ap import CocoDetections, CocoGroundTruth
+from detector.models import mask_branch
+from detector.serving import coco_ap, masks
+from detector.serving.coco_ap import CocoDetections, CocoGroundTruth, RleMasks
 from input_pipeline import box_geometry
 from sharding import distributed
 from sharding.tables import aligned_table
@@ -80,11 +81,15 @@ def batch_predictions(outputs: Mapping[str, Any], label_to_category_id: Sequence
       outputs: `predict_step` outputs for a batch (numpy, or global arrays of
         which this process's rows are taken): boxes `[B,D,4]` yxyx in network
         pixels, scores/classes/valid `[B,D]`, image_id/scale/example_mask
-        `[B]`, original_size `[B,2]` (h, w).
+        `[B]`, original_size and image_hw `[B,2]` (h, w); a mask family's
+        masks `[B,D,Hm,Wm]`, logits at `mask_branch.STRIDE`.
       label_to_category_id: contiguous label -> the dataset's category id.
     Returns:
       Boxes clipped to the image and rounded to 1/1000 pixel, scores to 1e-5
-      (what a COCO results file holds), in row-then-rank order.
+      (what a COCO results file holds), in row-then-rank order. With masks,
+      each detection's mask pasted to original pixels as RLE and its score
+      Mask DINO's (class score x mean mask probability, `masks.mask_scores`),
+      for its box too, as Mask DINO reports them.
     """
     rows = {k: _host_rows(outputs[k]) for k in ("boxes", "scores", "classes", "valid", "image_id", "scale")}
     rows["example_mask"] = _host_rows(outputs["example_mask"]).astype(bool)
@@ -94,11 +99,23 @@ def batch_predictions(outputs: Mapping[str, Any], label_to_category_id: Sequence
     size = rows["original_size"][image].astype(np.float64)
     boxes_xywh = box_geometry.yxyx_to_xywh(box_geometry.clip(boxes_yxyx, size[:, 0], size[:, 1]))
     category_ids = np.asarray(label_to_category_id, np.int64)
+    scores = rows["scores"][image, rank].astype(np.float64)
+    pasted = None
+    if "masks" in outputs:
+        logits, image_hw = _host_rows(outputs["masks"]), _host_rows(outputs["image_hw"])
+        parts = []
+        for row in np.unique(image).tolist():  # image ascends in np.nonzero's order: the parts line up
+            chosen = image == row
+            row_logits = logits[row, rank[chosen]]
+            parts.append(masks.paste_masks(row_logits, image_hw[row], rows["original_size"][row], mask_branch.STRIDE))
+            scores[chosen] = masks.mask_scores(scores[chosen], row_logits, image_hw[row], mask_branch.STRIDE)
+        pasted = RleMasks.concatenate(parts)
     detections = CocoDetections(
         image_ids=rows["image_id"][image].astype(np.int64),
         category_ids=category_ids[rows["classes"][image, rank].astype(np.int64)],
         boxes_xywh=np.round(boxes_xywh, 3),
-        scores=np.round(rows["scores"][image, rank].astype(np.float64), 5),
+        scores=np.round(scores, 5),
+        masks=pasted,
     )
     return Predictions(detections, rows["image_id"][rows["example_mask"]].astype(np.int64))
 
@@ -142,7 +159,8 @@ class CocoEvaluation:
     """The COCO bbox evaluation of one set of detections.
 
     Attributes:
-      metrics: COCO_METRIC_NAMES -> value in 0-1 (-1 where a size range has no ground truth).
+      metrics: COCO_METRIC_NAMES -> value in 0-1 (-1 where a size range has no ground truth); with masks on
+        both sides the segm ones too (`coco_ap.MASK_STAT_NAMES`: mask_AP, ...).
       per_class: category id -> {"AP", "AP50", "AP75"} over all sizes at 100
         detections (-1 for a class without ground truth among the evaluated
         images), plus "instances", its ground-truth boxes there (crowds excluded).
@@ -169,7 +187,10 @@ def score(
         )
     result = coco_ap.evaluate(ground_truth, detections, evaluated)
     per_class = {c: {**values, "instances": instances[c]} for c, values in result.per_class().items()}
-    return CocoEvaluation(dict(result.stats), per_class)
+    metrics = dict(result.stats)
+    if detections.masks is not None and ground_truth.segmentations is not None:
+        metrics.update(coco_ap.evaluate(ground_truth, detections, evaluated, iou_type="segm").metrics())
+    return CocoEvaluation(metrics, per_class)
 
 
 def coco_evaluation(

@@ -27,6 +27,7 @@ import input_pipeline
 import sharding
 from detector.errors import ConfigError
 from detector.serving import coco_evaluation, drawing
+from detector.serving.coco_ap import MASK_STAT_NAMES
 from detector.training import checkpointing, steps
 from detector.training.run import Run, create_run
 from detector.training.train_state import params_shardings
@@ -199,7 +200,8 @@ def format_report(report: dict[str, Any]) -> str:
     """The COCO table and the per-class table of a metrics.json report, as text."""
     metrics = report["metrics"]
     coco = coco_evaluation.format_table(
-        ["metric", "value"], [(name, metrics[name]) for name in coco_evaluation.COCO_METRIC_NAMES]
+        ["metric", "value"],
+        [(name, metrics[name]) for name in (*coco_evaluation.COCO_METRIC_NAMES, *MASK_STAT_NAMES) if name in metrics],
     )
     per_class = coco_evaluation.format_table(
         ["class", "AP", "AP50", "AP75", "instances"],

@@ -80,7 +80,7 @@ def checkpoint_dir(workdir: str) -> epath.Path:
 
 
 def best_dir(workdir: str) -> epath.Path:
-    """`WORKDIR/best/STEP/params`: parameters of the evaluation with the highest COCO AP."""
+    """`WORKDIR/best/STEP/params`: parameters of the evaluation with the highest `config.best_metric`."""
     return _absolute(workdir) / "best"
 
 
@@ -519,7 +519,7 @@ def input_position(metadata: dict[str, Any], step: int, global_batch_size: int) 
 
 
 def create_best_manager(workdir: str) -> ocp.CheckpointManager:
-    """Keeps the parameters of the single best evaluation (highest COCO AP) under `best_dir`."""
+    """Keeps the parameters of the single best evaluation (highest `config.best_metric`) under `best_dir`."""
     options = ocp.CheckpointManagerOptions(
         max_to_keep=1,
         best_fn=lambda metrics: metrics[BEST_METRIC],

@@ -202,12 +202,13 @@ def predict_step(
 
     `detect` is the family's (`families.Objective.detect`). Returns dict:
     boxes `[B, D, 4]` yxyx, scores `[B, D]`, classes int32 `[B, D]`, valid
-    bool `[B, D]`, and image_id / scale / original_size / example_mask passed
-    through.
+    bool `[B, D]` (and a mask family's masks `[B, D, H/4, W/4]`), and
+    image_id / image_hw / scale / original_size / example_mask passed through.
     """
     return {
         **detect(params, batch["image"], batch["image_hw"]),
         "image_id": batch["image_id"],
+        "image_hw": batch["image_hw"],
         "scale": batch["scale"],
         "original_size": batch["original_size"],
         "example_mask": batch["example_mask"],

@@ -12,15 +12,13 @@ import jax
 import jax.numpy as jnp
 
 from detector.errors import ConfigError
-from detector.models import backbones
+from detector.models import backbones, mask_branch
 from detector.models.dino import Dino, encoder_proposals
 from detector.models.families.objective import Objective
 from detector.models.necks import ChannelMapper, SimpleFeaturePyramid
 from detector.models.query_layout import QueryLayout
 from detector.ops import denoising, losses, mask_losses, matching, postprocess
 
-# The stride of Mask DINO's pixel embedding: the ground-truth masks must be on the same grid.
-MASK_STRIDE = 4
 # Folded into each image's key: the mask points' draws, apart from the denoising noise's.
 _MASK_MATCH_TAG, _MASK_LOSS_TAG = 0x4D4D00, 0x4D4C00
 # Offsets of the sets' indices within those tags: one-to-one layers and the encoder from 0, then these.
@@ -61,10 +59,10 @@ def create(config, num_classes: int, *, data_parallel_devices: int = 1) -> Dino:
             f"inputs give only {selectable} encoder proposals on levels {dino.min_level}..{dino.max_level}; "
             "use fewer queries or larger images"
         )
-    if dino.mask_dim and config.input.mask_stride != MASK_STRIDE:
+    if dino.mask_dim and config.input.mask_stride != mask_branch.STRIDE:
         raise ConfigError(
             f"model.dino.mask_dim={dino.mask_dim} needs the ground-truth masks on the pixel embedding's grid: set "
-            f"input.mask_stride={MASK_STRIDE} (it is {config.input.mask_stride})"
+            f"input.mask_stride={mask_branch.STRIDE} (it is {config.input.mask_stride})"
         )
     if not 0.0 <= dino.distinct_query_iou < 1.0:
         raise ConfigError(
@@ -416,7 +414,7 @@ def objective(config, model: nn.Module, num_classes: int) -> Objective:
     def detect(params, images):
         outputs = model.apply({"params": params}, images)
         post = config.postprocess
-        return postprocess.detect_from_queries(
+        detections = postprocess.detect_from_queries(
             outputs["logits"][-1],
             outputs["boxes"][-1],
             image_size[0],
@@ -425,6 +423,12 @@ def objective(config, model: nn.Module, num_classes: int) -> Objective:
             score_threshold=post.score_threshold,
             nms_iou_threshold=query_nms,
             pre_nms_top_k=post.pre_nms_top_k,
+            return_queries=with_masks,
         )
+        if with_masks:  # each detection's mask logits at stride 4: pasted and scored on the host
+            queries = detections.pop("queries")
+            embeddings = jnp.take_along_axis(outputs["mask_embeddings"][-1], queries[..., None], axis=1)
+            detections["masks"] = mask_branch.mask_logits(embeddings, outputs["pixel_embedding"])
+        return detections
 
     return Objective(loss=loss, detect=detect, outputs_per_image=f"{dino.num_queries} queries")

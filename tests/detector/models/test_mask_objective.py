@@ -20,8 +20,7 @@ MASKS = {"model.dino.mask_dim": 8, "input.mask_stride": 4, "loss.set_prediction.
 
 
 def _config(data_dir, **overrides):
-    # No mosaics: their tiles would not line up with the 64 px image's mask cells at this test's batch.
-    return make_dino_config(data_dir, **{**MASKS, "input.mosaic_probability": 0.0, **overrides})
+    return make_dino_config(data_dir, **{**MASKS, **overrides})  # mosaics too: the 32 px tiles hold 8 x 8 cells
 
 
 @pytest.fixture(scope="module")
@@ -68,7 +67,7 @@ def test_boxes_without_masks_train_as_a_box_only_dino(setup):
     (_, terms), _ = loss(params, box_only, jax.random.key(1))
     assert terms["mask_loss"] == 0 and terms["dice_loss"] == 0
 
-    plain_config = make_dino_config(data_dir, **{"input.mosaic_probability": 0.0})
+    plain_config = make_dino_config(data_dir)
     plain_model = families.create_model(plain_config, NUM_CLASSES)
     plain = families.objective(plain_config, plain_model, NUM_CLASSES)
     shared = {k: v for k, v in params.items() if k not in ("pixel_embedding", "mask_head")}

@@ -190,7 +190,14 @@ def _detect_from_queries_reference(logits, boxes_cxcywh, height, width, max_dete
 
 _detect_from_queries = jax.jit(
     postprocess.detect_from_queries,
-    static_argnames=("image_height", "image_width", "max_detections", "nms_iou_threshold", "pre_nms_top_k"),
+    static_argnames=(
+        "image_height",
+        "image_width",
+        "max_detections",
+        "nms_iou_threshold",
+        "pre_nms_top_k",
+        "return_queries",
+    ),
 )
 
 
@@ -286,3 +293,29 @@ def test_detect_from_queries_with_nms_matches_numpy(iou_threshold, pre_nms_top_k
         np.testing.assert_allclose(out["boxes"][b, :n], plain["boxes"][b][kept], rtol=1e-5, atol=1e-4)
         np.testing.assert_array_equal(out["scores"][b, n:], 0.0)
     assert suppressed_some  # the case exercises the suppression
+
+
+@pytest.mark.parametrize("nms_iou_threshold", [0.0, 0.5])
+def test_detect_from_queries_returns_each_detections_query(nms_iou_threshold):
+    """The query of every detection (what its mask comes from): its box is that query's, with or without NMS."""
+    rng = np.random.default_rng(3)
+    logits = rng.normal(0.0, 2.0, (2, 6, 3)).astype(np.float32)
+    boxes = np.concatenate([rng.uniform(0.2, 0.8, (2, 6, 2)), rng.uniform(0.05, 0.3, (2, 6, 2))], -1).astype(np.float32)
+    options = dict(image_height=40, image_width=60, max_detections=5, score_threshold=0.1)
+    out = _detect_from_queries(logits, boxes, **options, nms_iou_threshold=nms_iou_threshold, return_queries=True)
+    plain = _detect_from_queries(logits, boxes, **options, nms_iou_threshold=nms_iou_threshold)
+    for key in plain:
+        np.testing.assert_array_equal(out[key], plain[key])
+    queries, valid = np.asarray(out["queries"]), np.asarray(out["valid"])
+    assert queries.dtype == np.int32 and queries.shape == (2, 5) and valid.any()
+    cx, cy, w, h = np.moveaxis(np.take_along_axis(boxes, queries[..., None], 1), -1, 0)
+    expected = np.clip(
+        np.stack([cy - h / 2, cx - w / 2, cy + h / 2, cx + w / 2], -1) * [40, 60, 40, 60], 0, [40, 60, 40, 60]
+    )
+    np.testing.assert_allclose(np.asarray(out["boxes"])[valid], expected[valid], atol=1e-4)
+    classes = np.asarray(out["classes"])
+    np.testing.assert_allclose(
+        np.asarray(out["scores"])[valid],
+        (1 / (1 + np.exp(-logits)))[np.nonzero(valid)[0], queries[valid], classes[valid]],
+        rtol=1e-5,
+    )

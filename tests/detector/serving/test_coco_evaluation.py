@@ -119,3 +119,59 @@ def test_masks_survive_the_trip_to_process_0_and_the_results_file(tmp_path):
         np.testing.assert_array_equal(mask_utils.decode(result["segmentation"]), mask)
     coco_evaluation.write_results(tmp_path / "d.json", detections, chunk=2)
     assert json.loads((tmp_path / "d.json").read_text()) == with_masks
+
+
+def test_predicted_masks_are_pasted_scored_and_evaluated_beside_the_boxes():
+    """Mask logits at stride 4 over the padded network image: each detection's mask in original pixels,
+    its score Mask DINO's, and mask AP beside box AP when the ground truth has masks."""
+    from detector.serving import masks as mask_pasting
+
+    scale, stride = 0.64, 4
+    outputs = _outputs_for(GROUND_TRUTH, scale=scale)
+    num, d = outputs["scores"].shape
+    grid = (20, 36)  # the padded 80 x 144 network input at stride 4
+    outputs["image_hw"] = np.zeros((num, 2), np.int32)
+    outputs["masks"] = np.full((num, d, *grid), -8.0, np.float32)
+    centres_y, centres_x = (np.arange(grid[0]) + 0.5) * stride, (np.arange(grid[1]) + 0.5) * stride
+    for i, (height, width) in enumerate(outputs["original_size"]):
+        outputs["image_hw"][i] = np.round(np.array([height, width]) * scale)
+        for j in range(d):
+            y0, x0, y1, x1 = outputs["boxes"][i, j]
+            inside = (centres_y[:, None] >= y0) & (centres_y[:, None] < y1) & (centres_x >= x0) & (centres_x < x1)
+            outputs["masks"][i, j] = np.where(inside, 8.0, -8.0) + 0.5 * j  # a mask score below 1
+    predictions = coco_evaluation.batch_predictions(outputs, LABEL_TO_CATEGORY)
+    detections = predictions.detections
+    assert len(detections) == 3 and len(detections.masks) == 3
+    for k, (row, rank) in enumerate([(0, 0), (0, 1), (1, 0)]):
+        logits = outputs["masks"][row, rank][None]
+        pasted = mask_pasting.paste_masks(logits, outputs["image_hw"][row], outputs["original_size"][row], stride)
+        assert detections.masks.select([k]).to_coco() == pasted.to_coco()
+        expected = mask_pasting.mask_scores(outputs["scores"][row, [rank]], logits, outputs["image_hw"][row], stride)
+        np.testing.assert_allclose(detections.scores[k], expected, atol=1e-5)
+        assert detections.scores[k] < outputs["scores"][row, rank]
+
+    with_segmentations = {
+        **GROUND_TRUTH,
+        "annotations": [
+            {
+                **a,
+                "segmentation": [
+                    [
+                        a["bbox"][0],
+                        a["bbox"][1],
+                        a["bbox"][0] + a["bbox"][2],
+                        a["bbox"][1],
+                        a["bbox"][0] + a["bbox"][2],
+                        a["bbox"][1] + a["bbox"][3],
+                        a["bbox"][0],
+                        a["bbox"][1] + a["bbox"][3],
+                    ]
+                ],
+            }
+            for a in GROUND_TRUTH["annotations"]
+        ],
+    }
+    metrics = coco_evaluation.coco_metrics(with_segmentations, detections)
+    assert metrics["AP"] == pytest.approx(1.0) and metrics["mask_AP50"] == pytest.approx(1.0)
+    assert 0.5 < metrics["mask_AP"] <= 1.0  # the cells' edges: each mask covers its box to within a cell
+    assert "mask_AP" not in coco_evaluation.coco_metrics(GROUND_TRUTH, detections)  # no masks to score against
