@@ -1,6 +1,6 @@
 """How much of their tolerance the sharded-equivalence tests use when only the summation order changes.
 
-    python -m tests.helpers.equivalence_margin [--case=dino|vit|spatial|foundation] [--sharp]
+    python -m tests.helpers.equivalence_margin [--case=dino|mask-dino|vit|spatial|foundation] [--sharp]
 
 Runs a case of tests/integration/test_sharded_equivalence.py (its 3 SGD steps
 from the same parameters on the same batches) on one device, then again with
@@ -53,6 +53,8 @@ def _case(name: str):
 
     if name == "dino":
         return test_sharded_equivalence.dino_config(), sharded_training.continuous_dino
+    if name == "mask-dino":
+        return test_sharded_equivalence.mask_dino_config(), sharded_training.continuous_dino
     if name == "dino-sharp":
         return test_sharded_equivalence.dino_config(), functools.partial(
             sharded_training.continuous_dino, smooth_sampling=False
@@ -133,7 +135,7 @@ def _worst(reference, other, initial) -> dict[str, tuple[float, str]]:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--case", default="dino", choices=("dino", "vit", "spatial", "foundation"))
+    parser.add_argument("--case", default="dino", choices=("dino", "mask-dino", "vit", "spatial", "foundation"))
     parser.add_argument("--sharp", action="store_true", help="DINO's bilinear sampling unsmoothed")
     parser.add_argument("--save_one_device", help=argparse.SUPPRESS)  # a perturbed process's own run
     args = parser.parse_args()

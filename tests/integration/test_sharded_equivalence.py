@@ -195,13 +195,19 @@ MASK_DINO_COLLECTIVES = {
 }
 
 
-def test_mask_dino_trains_identically_on_a_2x2x2_mesh():
-    """The mask branch's pixel embedding (its rows over `model`, as convolutions), the point-sampled mask
-    terms of matching and loss and their per-image points: one device's three steps on (2, 2, 2)."""
+def mask_dino_config():
+    """`dino_config` with Mask DINO's branch: 8-wide mask embeddings, 64 points a mask."""
     config = dino_config()
     config.model.dino.mask_dim = 8
     config.input.mask_stride = 4
     config.loss.set_prediction.mask_points = 64
+    return config
+
+
+def test_mask_dino_trains_identically_on_a_2x2x2_mesh():
+    """The mask branch's pixel embedding (its rows over `model`, as convolutions), the point-sampled mask
+    terms of matching and loss and their per-image points: one device's three steps on (2, 2, 2)."""
+    config = mask_dino_config()
     with continuous_dino():
         reference, sharded = check_sharded_training(config, (2, 2, 2), DINO_SPECS, MASK_DINO_COLLECTIVES)
     for expected, actual in zip(reference.metrics, sharded.metrics, strict=True):
