@@ -43,12 +43,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from detector.errors import ConfigError
-from detector.models.layers import relu, rematerialized
-from detector.models.mask_branch import PixelEmbedding
+from detector.models.layers import constrain_activation, relu, rematerialized
+from detector.models.mask_branch import PixelEmbedding, mask_logits
+from detector.models.necks import deconvolution_upsample
 from detector.models.query_layout import QueryLayout
 from detector.models.transformer import HEAD_AXES, TOKEN_AXES, Mlp, Projection, attention, layer_norm
-from detector.ops.box_ops import cxcywh_to_yxyx
+from detector.ops.box_ops import cxcywh_to_yxyx, mask_boxes_cxcywh
 from detector.ops.deformable_attention import multi_scale_deformable_attention
 from detector.ops.postprocess import non_max_suppression
 
@@ -358,7 +358,8 @@ class Dino(nn.Module):
         Their parameters exist whether or not a call uses them, so prediction
         and training share one parameter tree;
       with `mask_dim` > 0 (Mask DINO): pixel_embedding `[B, H/4, W/4,
-        mask_dim]` (in `dtype`, from the backbone's stride-4 map and the
+        mask_dim]` (in `dtype`, from the backbone's stride-4 map, or a ViT's
+        map upsampled to stride 4 by ViTDet's transposed convolutions, and the
         encoder's finest level, `mask_branch.PixelEmbedding`), mask_embeddings
         `[K, B, N, mask_dim]` of every decoder layer's queries (and
         `{segment}_mask_embeddings` for the denoising and one-to-many ones),
@@ -381,6 +382,7 @@ class Dino(nn.Module):
     num_one_to_many_queries: int = 0
     distinct_query_iou: float = 0.0
     mask_dim: int = 0  # > 0: Mask DINO's mask branch, with embeddings of this width
+    mask_enhanced_anchors: bool = False  # the one-to-one queries start from their proposals' mask boxes
     remat: str = "none"
     dtype: Any = jnp.float32
 
@@ -432,15 +434,19 @@ class Dino(nn.Module):
 
         mask_outputs = {}
         if self.mask_dim:
-            if 2 not in features:
-                raise ConfigError(
-                    f"Mask DINO's mask branch needs the backbone's stride-4 features (level 2); this backbone gives "
-                    f"levels {sorted(features)}: use a ResNet backbone, or no masks"
+            if 2 in features:
+                stride4 = features[2]
+            else:
+                # A plain ViT's one map (stride 16): ViTDet's transposed convolutions up to stride 4, as its
+                # simple pyramid builds P2.
+                top_level = max(features)
+                stride4 = constrain_activation(
+                    deconvolution_upsample(features[top_level], top_level - 2, self.dtype, "mask_stride4_up")
                 )
             height, width = spatial_shapes[0]  # the finest level leads the encoder's tokens
             finest = memory[:, : height * width].reshape(batch, height, width, embed)
             pixel_embedding = PixelEmbedding(embed, self.mask_dim, dtype=self.dtype, name="pixel_embedding")(
-                features[2], finest
+                stride4, finest
             )
             mask_outputs["pixel_embedding"] = pixel_embedding
             mask_head = PredictionMlp(embed, self.mask_dim, 3, dtype=self.dtype, name="mask_head")
@@ -472,6 +478,16 @@ class Dino(nn.Module):
         encoder_logits = _gather_queries(proposal_logits, one_to_one_selected)
         encoder_boxes_logit = proposed.split(selected_boxes_logit, axis=1)["one_to_one"]
         reference = proposed.split(jax.lax.stop_gradient(jax.nn.sigmoid(selected_boxes_logit)), axis=1)
+        output_norm = layer_norm(self.dtype, "decoder_norm", 1e-5)
+        if self.mask_dim:  # the selected proposals' masks: Mask DINO trains them like a decoder layer's
+            selected_features = output_norm(_gather_queries(selection_memory, one_to_one_selected))
+            mask_outputs["encoder_mask_embeddings"] = mask_head(selected_features).astype(jnp.float32)
+        if self.mask_enhanced_anchors:
+            # Mask DINO's mask-enhanced box initialisation: a mask outlines its object better than the
+            # proposal's box predicted from one position's features; no gradient through the start.
+            proposal_masks = mask_logits(mask_outputs["encoder_mask_embeddings"], pixel_embedding) > 0
+            mask_boxes, nonempty = mask_boxes_cxcywh(jax.lax.stop_gradient(proposal_masks))
+            reference["one_to_one"] = jnp.where(nonempty[..., None], mask_boxes, reference["one_to_one"])
 
         content = self.param(
             "query_content", nn.with_logical_partitioning(nn.initializers.normal(1.0), (None, "norm")), (queries, embed)
@@ -512,13 +528,9 @@ class Dino(nn.Module):
         reference_head = PredictionMlp(embed, embed, 2, dtype=self.dtype, name="query_position_head")
         class_head = _class_head(self.num_classes, self.dtype, "class_head")
         box_head = PredictionMlp(embed, 4, 3, zero_last=True, dtype=self.dtype, name="box_head")
-        output_norm = layer_norm(self.dtype, "decoder_norm", 1e-5)
         decoder_layer = rematerialized(DecoderLayer, self.remat)
         x = nn.with_logical_constraint(content, TOKEN_AXES)
         previous_boxes = reference  # the previous layer's prediction, with its gradient
-        if self.mask_dim:  # the selected proposals' masks: Mask DINO trains them like a decoder layer's
-            selected_features = output_norm(_gather_queries(selection_memory, one_to_one_selected))
-            mask_outputs["encoder_mask_embeddings"] = mask_head(selected_features).astype(jnp.float32)
         all_logits, all_boxes, all_mask_embeddings = [], [], []
         for i in range(self.num_decoder_layers):
             reference = jax.lax.stop_gradient(previous_boxes)

@@ -90,6 +90,36 @@ def add_extra_levels(
     return pyramid
 
 
+def deconvolution_upsample(x: jax.Array, steps: int, dtype: Any, name: str) -> jax.Array:
+    """ViTDet's upsampling of a ViT map: `steps` 2x2 stride-2 transposed convolutions, each halving the channels.
+
+    Between two of them a channel LayerNorm and GELU. Called inside a compact
+    module's method, which owns the layers, named `{name}{i}` and
+    `{name}_norm{i}`.
+
+    `[B, h, w, C] -> [B, h * 2**steps, w * 2**steps, C // 2**steps]`.
+    """
+    for i in range(steps):
+        if i:
+            x = nn.gelu(
+                group_norm(x.shape[-1], num_groups=1, dtype=dtype, name=f"{name}_norm{i}")(x), approximate=False
+            )
+        x = nn.ConvTranspose(
+            x.shape[-1] // 2,
+            (2, 2),
+            strides=(2, 2),
+            padding="VALID",
+            dtype=dtype,
+            param_dtype=jnp.float32,
+            kernel_init=nn.with_logical_partitioning(
+                nn.initializers.lecun_normal(), ("kernel_h", "kernel_w", "conv_in", "conv_out")
+            ),
+            bias_init=nn.with_logical_partitioning(nn.initializers.zeros, ("conv_out",)),
+            name=f"{name}{i}",
+        )(x)
+    return x
+
+
 class SimpleFeaturePyramid(PyramidNeck):
     """P{min_level}..P{max_level} from one stride-16 map (ViTDet's simple pyramid).
 
@@ -113,26 +143,7 @@ class SimpleFeaturePyramid(PyramidNeck):
             )
         pyramid = {}
         for level in range(self.min_level, min(self.max_level, top_level + 1) + 1):
-            y = x
-            for i in range(top_level - level):  # upsample by 2 per step
-                if i:
-                    y = nn.gelu(
-                        group_norm(y.shape[-1], num_groups=1, dtype=self.dtype, name=f"p{level}_up_norm{i}")(y),
-                        approximate=False,
-                    )
-                y = nn.ConvTranspose(
-                    y.shape[-1] // 2,
-                    (2, 2),
-                    strides=(2, 2),
-                    padding="VALID",
-                    dtype=self.dtype,
-                    param_dtype=jnp.float32,
-                    kernel_init=nn.with_logical_partitioning(
-                        nn.initializers.lecun_normal(), ("kernel_h", "kernel_w", "conv_in", "conv_out")
-                    ),
-                    bias_init=nn.with_logical_partitioning(nn.initializers.zeros, ("conv_out",)),
-                    name=f"p{level}_up{i}",
-                )(y)
+            y = deconvolution_upsample(x, top_level - level, self.dtype, f"p{level}_up")
             if level > top_level:
                 y = nn.max_pool(y, (2, 2), strides=(2, 2), padding="SAME")
             y = conv(self.features, 1, use_bias=False, dtype=self.dtype, name=f"p{level}_lateral")(y)

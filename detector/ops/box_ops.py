@@ -198,3 +198,23 @@ def cxcywh_to_yxyx(boxes_cxcywh):
     """DETR's ``(cx, cy, w, h)`` -> ``(y0, x0, y1, x1)`` in the same units, float ``[..., 4]``."""
     cx, cy, w, h = (boxes_cxcywh[..., i] for i in range(4))
     return jnp.stack([cy - h / 2, cx - w / 2, cy + h / 2, cx + w / 2], axis=-1)
+
+
+def mask_boxes_cxcywh(masks):
+    """The tight box of each mask, as DETR's normalised ``(cx, cy, w, h)`` over the mask's grid.
+
+    Args:
+      masks: bool ``[..., H, W]``; a cell spans [i / H, (i + 1) / H) of the height.
+    Returns:
+      (float32 ``[..., 4]`` boxes, bool ``[...]`` whether the mask has a cell; an empty one's box is zeros).
+    """
+    height, width = masks.shape[-2:]
+    rows, columns = jnp.any(masks, axis=-1), jnp.any(masks, axis=-2)
+    nonempty = jnp.any(rows, axis=-1)
+    # First set cell from each end; an empty mask gives 0 and the size, zeroed below.
+    y0, y1 = jnp.argmax(rows, axis=-1), height - jnp.argmax(rows[..., ::-1], axis=-1)
+    x0, x1 = jnp.argmax(columns, axis=-1), width - jnp.argmax(columns[..., ::-1], axis=-1)
+    y0, y1 = y0.astype(jnp.float32) / height, y1.astype(jnp.float32) / height
+    x0, x1 = x0.astype(jnp.float32) / width, x1.astype(jnp.float32) / width
+    boxes = jnp.stack([(x0 + x1) / 2, (y0 + y1) / 2, x1 - x0, y1 - y0], axis=-1)
+    return jnp.where(nonempty[..., None], boxes, 0.0), nonempty

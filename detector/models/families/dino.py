@@ -64,6 +64,11 @@ def create(config, num_classes: int, *, data_parallel_devices: int = 1) -> Dino:
             f"model.dino.mask_dim={dino.mask_dim} needs the ground-truth masks on the pixel embedding's grid: set "
             f"input.mask_stride={mask_branch.STRIDE} (it is {config.input.mask_stride})"
         )
+    if dino.mask_enhanced_anchors and not dino.mask_dim:
+        raise ConfigError(
+            "model.dino.mask_enhanced_anchors=True starts the queries from their proposals' masks: set "
+            "model.dino.mask_dim > 0 (Mask DINO: 256), or turn it off"
+        )
     if not 0.0 <= dino.distinct_query_iou < 1.0:
         raise ConfigError(
             f"model.dino.distinct_query_iou={dino.distinct_query_iou!r}; use 0 (off) or an IoU in (0, 1) (DDQ: 0.8)"
@@ -88,6 +93,7 @@ def create(config, num_classes: int, *, data_parallel_devices: int = 1) -> Dino:
         num_one_to_many_queries=one_to_many,
         distinct_query_iou=dino.distinct_query_iou,
         mask_dim=dino.mask_dim,
+        mask_enhanced_anchors=dino.mask_enhanced_anchors,
         remat=model_config.remat,
         dtype=dtype,
     )

@@ -1,5 +1,5 @@
 """Mask DINO's mask branch on the DINO decoder: shapes of every segment, gradients into the maps it reads,
-parameters only when asked for, and a backbone without stride-4 features refused in one line."""
+parameters only when asked for, and a ViT's one map brought to stride 4 by ViTDet's transposed convolutions."""
 
 from __future__ import annotations
 
@@ -79,14 +79,44 @@ def test_without_masks_the_model_and_its_parameters_are_dinos():
     assert not any("mask" in key or "pixel" in key for key in outputs)
 
 
-def test_a_backbone_without_stride_4_features_is_one_config_error():
-    class Stride8Backbone(nn.Module):
-        @nn.compact
-        def __call__(self, images):
-            x = nn.Conv(8, (3, 3), strides=(8, 8))(images)
-            return {3: x, 4: nn.Conv(8, (3, 3), strides=(2, 2))(x), 5: nn.Conv(8, (3, 3), strides=(4, 4))(x)}
+def test_a_vit_backbone_gets_its_stride_4_map_from_transposed_convolutions():
+    from configs import dino_dinov3_tiny
 
-    model = families.create_model(tiny_config(), NUM_CLASSES).clone(backbone=Stride8Backbone(), mask_dim=MASK_DIM)
-    with pytest.raises(ConfigError, match=r"stride-4 features \(level 2\).*levels \[3, 4, 5\]") as error:
-        jax.eval_shape(model.init, jax.random.key(0), jnp.zeros((1, IMAGE, IMAGE, 3)))
-    assert "\n" not in str(error.value)
+    config = dino_dinov3_tiny.get_config()
+    config.model.dino.mask_dim = MASK_DIM
+    config.input.mask_stride = mask_branch.STRIDE
+    model = families.create_model(config, NUM_CLASSES)
+    images = jnp.zeros((1, 128, 128, 3))
+    variables = jax.eval_shape(model.init, jax.random.key(0), images)
+    names = flatten_dict(nn.meta.unbox(variables["params"]), sep="/")
+    # The ViT's stride-16 map, 64 wide, up twice: 32 then 16 channels, as ViTDet's P2.
+    assert names["mask_stride4_up0/kernel"].shape == (2, 2, 64, 32)
+    assert names["mask_stride4_up1/kernel"].shape == (2, 2, 32, 16)
+    assert "mask_stride4_up_norm1/scale" in names
+    outputs = jax.eval_shape(model.apply, variables, images)
+    assert outputs["pixel_embedding"].shape == (1, 32, 32, MASK_DIM)
+
+
+def test_mask_enhanced_anchors_start_the_queries_from_their_proposals_masks(masked):
+    model, params, images, _, _ = masked
+    enhanced = model.clone(mask_enhanced_anchors=True)
+
+    def outputs_of(network):
+        return jax.jit(lambda p: {k: network.apply({"params": p}, images)[k] for k in ("boxes", "encoder_boxes")})
+
+    plain, with_masks = outputs_of(model), outputs_of(enhanced)  # the same parameters: the option adds none
+    assert not np.allclose(with_masks(params)["boxes"], plain(params)["boxes"], atol=1e-4)
+    np.testing.assert_array_equal(with_masks(params)["encoder_boxes"], plain(params)["encoder_boxes"])
+    # Where every proposal's mask is empty (a zero pixel embedding), each query keeps its proposal's box.
+    silent = jax.tree.map(lambda x: x, params)
+    silent["pixel_embedding"]["mask_features"] = jax.tree.map(jnp.zeros_like, params["pixel_embedding"]["mask_features"])
+    np.testing.assert_allclose(with_masks(silent)["boxes"], plain(silent)["boxes"], atol=1e-6)
+
+
+def test_mask_enhanced_anchors_need_the_mask_branch():
+    config = tiny_config()
+    config.model.dino.mask_enhanced_anchors = True
+    with pytest.raises(
+        ConfigError, match=r"mask_enhanced_anchors=True starts the queries .* set model\.dino\.mask_dim"
+    ):
+        families.create_model(config, NUM_CLASSES)

@@ -145,3 +145,22 @@ def test_jit_and_vmap():
     assert g.shape == (4,)
     clipped = jax.jit(box_ops.clip_boxes)(b1, 50.0, jnp.float32(60.0))
     assert float(clipped[..., 2].max()) <= 50.0 and float(clipped[..., 3].max()) <= 60.0
+
+
+def test_mask_boxes_are_the_tight_boxes_of_the_set_cells_and_empty_masks_say_so():
+    rng = np.random.default_rng(0)
+    masks = np.zeros((5, 6, 8), bool)
+    masks[0, 2:4, 3:7] = True
+    masks[1, 0, 0] = True
+    masks[2] = rng.random((6, 8)) < 0.1
+    masks[3, 5, 7] = masks[3, 1, 2] = True  # two cells: their joint box
+    boxes, nonempty = jax.jit(box_ops.mask_boxes_cxcywh)(jnp.asarray(masks))
+    for mask, box, has in zip(masks, np.asarray(boxes), np.asarray(nonempty)):
+        rows, columns = np.flatnonzero(mask.any(1)), np.flatnonzero(mask.any(0))
+        assert has == (rows.size > 0)
+        if not has:
+            np.testing.assert_array_equal(box, 0.0)
+            continue
+        y0, y1, x0, x1 = rows[0] / 6, (rows[-1] + 1) / 6, columns[0] / 8, (columns[-1] + 1) / 8
+        np.testing.assert_allclose(box, [(x0 + x1) / 2, (y0 + y1) / 2, x1 - x0, y1 - y0], rtol=1e-6)
+    assert not nonempty[4]
