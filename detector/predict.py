@@ -7,9 +7,12 @@ Images of any size and any format Pillow reads (JPEG, PNG, BMP, GIF, TIFF,
 WebP; EXIF rotation applied) are resized and padded exactly as evaluation
 does, predicted in batches sharded over the devices, and written to OUTPUT:
   detections.json  COCO results: [{image_id, category_id, bbox [x, y, w, h] in
-                   original pixels, score}]
+                   original pixels, score}]; a mask model's (Mask DINO) also
+                   `segmentation`, the mask as COCO compressed RLE
+                   ({size: [h, w], counts}), and Mask DINO's instance score
   images.json      COCO images: [{id, file_name, width, height}] (ids as above)
   NAME.png         each image with its boxes, class names and scores drawn
+                   (and masks, filled translucent in their box's colour)
                    (NAME_ID.png where two inputs share a name)
 A file that cannot be read is skipped with a warning and counted.
 """

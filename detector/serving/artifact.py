@@ -13,6 +13,12 @@ only JAX: `jax.export.deserialize(bytes).call(images, image_hw)`.
   DIR/model.jax_exported  `Exported.serialize()` bytes; `jax.export.deserialize`
                           restores it in any process with a compatible JAX
   DIR/model.json          preprocessing, classes, outputs, provenance
+
+A mask model (Mask DINO: `model.dino.mask_dim` > 0) also returns `masks`,
+each detection's mask logits at `mask_stride` network pixels per cell;
+`serving.masks.instance_masks` pastes them to the original image as the
+predictor does (and rescores the detections as Mask DINO does), which
+`ExportedDetector.predict` calls.
 """
 
 from __future__ import annotations
@@ -31,7 +37,8 @@ from etils import epath
 from jax.experimental import multihost_utils
 
 from detector.errors import ConfigError
-from detector.models import families, transformer
+from detector.models import families, mask_branch, transformer
+from detector.serving import masks
 from detector.serving.predictor import Predictor, network_input
 from input_pipeline import transforms
 
@@ -40,6 +47,8 @@ METADATA_FILE = "model.json"
 # Lowering for "cuda" needs no GPU: one artifact serves both kinds of machine.
 PLATFORMS = ("cpu", "cuda")
 OUTPUT_NAMES = ("boxes", "scores", "classes", "valid")
+# A mask model's further outputs.
+MASK_OUTPUT_NAMES = ("masks",)
 # 2: uint8 images and their sizes in, normalised inside the program (1 took normalised float32 images).
 FORMAT_VERSION = 2
 
@@ -60,7 +69,9 @@ def detection_function(predictor: Predictor) -> Callable[[jax.Array, jax.Array],
     `[B, 2]` (each image's (h, w) inside the padding) to boxes float32
     `[B, D, 4]` yxyx in network-input pixels, scores float32 `[B, D]`
     (descending), classes int32 `[B, D]` (contiguous labels) and valid bool
-    `[B, D]`; D is `config.postprocess.max_detections`. It normalises the
+    `[B, D]`; D is `config.postprocess.max_detections`; a mask model adds
+    masks float32 `[B, D, H / s, W / s]`, each detection's mask logits at
+    `mask_branch.STRIDE` s over the padded input. It normalises the
     pixels itself, as the train and predict steps do. A backbone trained with
     LoRA adapters (`model.backbone.lora_rank` > 0) runs with them merged into
     its kernels: the plain backbone, computing what the adapted one does.
@@ -86,7 +97,7 @@ def detection_function(predictor: Predictor) -> Callable[[jax.Array, jax.Array],
 
     def detect(images: jax.Array, image_hw: jax.Array) -> dict[str, jax.Array]:
         outputs = family_detect(params, images, image_hw)
-        return {name: outputs[name] for name in OUTPUT_NAMES}
+        return {name: outputs[name] for name in (*OUTPUT_NAMES, *MASK_OUTPUT_NAMES) if name in outputs}
 
     return detect
 
@@ -130,6 +141,20 @@ def artifact_metadata(exported: jax.export.Exported, predictor: Predictor) -> di
     outputs = jax.tree.unflatten(exported.out_tree, exported.out_avals)
     info = predictor.dataset_info
     postprocess = config.postprocess
+    output_meaning = {
+        "boxes": "y0, x0, y1, x1 in network-input pixels; divide by scale for original pixels",
+        "scores": "sigmoid class scores, descending per image",
+        "classes": "contiguous labels: index into class_names and label_to_category_id",
+        "valid": "False marks unused slots (zeros): read the other outputs through it",
+    }
+    if "masks" in outputs:
+        output_meaning["masks"] = (
+            f"mask logits at mask_stride ({mask_branch.STRIDE}) network-input pixels per cell over the padded "
+            "input: upsample bilinearly x mask_stride, keep the top-left image_hw, resize bilinearly to the "
+            "original size (half-pixel centres, no antialiasing), mask = logit > 0; the instance score is the "
+            "class score x the mean sigmoid(logit) over the cells inside the mask "
+            "(detector.serving.masks.instance_masks does both)"
+        )
     return {
         "format_version": FORMAT_VERSION,
         "exported_file": EXPORTED_FILE,
@@ -155,12 +180,8 @@ def artifact_metadata(exported: jax.export.Exported, predictor: Predictor) -> di
             "std_rgb": [float(v) for v in config.input.std_rgb],
         },
         "outputs": {name: {"shape": list(aval.shape), "dtype": str(aval.dtype)} for name, aval in outputs.items()},
-        "output_meaning": {
-            "boxes": "y0, x0, y1, x1 in network-input pixels; divide by scale for original pixels",
-            "scores": "sigmoid class scores, descending per image",
-            "classes": "contiguous labels: index into class_names and label_to_category_id",
-            "valid": "False marks unused slots (zeros): read the other outputs through it",
-        },
+        "output_meaning": output_meaning,
+        **({"mask_stride": mask_branch.STRIDE} if "masks" in outputs else {}),
         "class_names": [str(name) for name in info.class_names],
         "label_to_category_id": [int(c) for c in info.label_to_category_id],
         "postprocess": {
@@ -252,8 +273,12 @@ class ExportedDetector:
 
         Returns:
           per image, in order: {"boxes_yxyx": float32 `[N, 4]` y0, x0, y1, x1 in
-          the image's pixels (clipped to it), "scores": float32 `[N]` (descending),
+          the image's pixels (clipped to it), "scores": float32 `[N]` (descending class scores),
           "labels": int32 `[N]` (index into `class_names`)}; N <= max_detections.
+          A mask model's add "masks" (`RleMasks`, N masks in the image's
+          pixels) and their scores are Mask DINO's instance scores, in the
+          class scores' order, as `detector.predict` gives them
+          (`masks.instance_masks`).
         """
         for index, image in enumerate(images):
             if image.ndim != 3 or image.shape[-1] != 3 or image.dtype != np.uint8:
@@ -275,13 +300,20 @@ class ExportedDetector:
                 keep = outputs["valid"][i]
                 height, width = (float(v) for v in row["original_size"])
                 boxes = np.asarray(outputs["boxes"][i][keep], np.float32) / np.float32(row["scale"])
-                results.append(
-                    {
-                        "boxes_yxyx": np.clip(boxes, 0.0, np.array([height, width, height, width], np.float32)),
-                        "scores": np.asarray(outputs["scores"][i][keep], np.float32),
-                        "labels": np.asarray(outputs["classes"][i][keep], np.int32),
-                    }
-                )
+                result = {
+                    "boxes_yxyx": np.clip(boxes, 0.0, np.array([height, width, height, width], np.float32)),
+                    "scores": np.asarray(outputs["scores"][i][keep], np.float32),
+                    "labels": np.asarray(outputs["classes"][i][keep], np.int32),
+                }
+                if "masks" in outputs:
+                    result["masks"], result["scores"] = masks.instance_masks(
+                        result["scores"],
+                        outputs["masks"][i][keep],
+                        row["image_hw"],
+                        row["original_size"],
+                        int(self.metadata["mask_stride"]),
+                    )
+                results.append(result)
         return results
 
 

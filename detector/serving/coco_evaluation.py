@@ -107,8 +107,10 @@ def batch_predictions(outputs: Mapping[str, Any], label_to_category_id: Sequence
         for row in np.unique(image).tolist():  # image ascends in np.nonzero's order: the parts line up
             chosen = image == row
             row_logits = logits[row, rank[chosen]]
-            parts.append(masks.paste_masks(row_logits, image_hw[row], rows["original_size"][row], mask_branch.STRIDE))
-            scores[chosen] = masks.mask_scores(scores[chosen], row_logits, image_hw[row], mask_branch.STRIDE)
+            pasted_row, scores[chosen] = masks.instance_masks(
+                scores[chosen], row_logits, image_hw[row], rows["original_size"][row], mask_branch.STRIDE
+            )
+            parts.append(pasted_row)
         pasted = RleMasks.concatenate(parts)
     detections = CocoDetections(
         image_ids=rows["image_id"][image].astype(np.int64),

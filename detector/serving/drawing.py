@@ -49,6 +49,8 @@ _COLOR_BY = ("label", "instance")
 # the point where black text has the better contrast on the tag's colour.
 _LIGHT_BACKGROUND_LUMA = 140.0
 _TAG_PADDING = 1  # pixels between the tag's edge and its text
+# A mask's fill against the image: the object shows through, the colour says which box it is.
+MASK_OPACITY = 0.45
 
 
 def class_color(label: int) -> tuple[int, int, int]:
@@ -148,8 +150,10 @@ def draw_detections(
     color_by: str = "label",
     line_width: int = 2,
     font=None,
+    masks=None,
+    mask_opacity: float = MASK_OPACITY,
 ) -> np.ndarray:
-    """Draws boxes with "name 0.87" tags on a copy of ``image``.
+    """Draws boxes with "name 0.87" tags, and masks filled translucent beneath them, on a copy of ``image``.
 
     Args:
         image: ``[H, W, 3]`` uint8; float images in ``[0, 1]`` or ``[0, 255]``
@@ -170,6 +174,10 @@ def draw_detections(
             apart overlapping objects of one class).
         line_width: outline thickness in pixels, growing into the box.
         font: a PIL font; by default PIL's built-in font sized to the image.
+        masks: bool ``[N, H, W]`` instance masks in the image's pixels (or
+            None): each filled with its box's colour at ``mask_opacity``,
+            lowest score first, before any outline.
+        mask_opacity: the fill's weight against the image, in ``(0, 1]``.
 
     Returns:
         A new ``[H, W, 3]`` uint8 array; ``image`` is not modified.
@@ -191,6 +199,12 @@ def draw_detections(
         return canvas
 
     height, width = canvas.shape[:2]
+    if masks is not None:
+        masks = np.asarray(masks, bool)
+        if masks.shape != (boxes.shape[0], height, width):
+            raise ValueError(f"masks {masks.shape} must be [N, H, W] = {(boxes.shape[0], height, width)}")
+        if not 0.0 < mask_opacity <= 1.0:
+            raise ValueError(f"mask_opacity must be in (0, 1], got {mask_opacity}")
     order = np.arange(boxes.shape[0]) if scores is None else np.argsort(scores, kind="stable")
     to_draw = []
     for index in order:
@@ -205,6 +219,12 @@ def draw_detections(
         if scores is not None:
             text = f"{text} {scores[index]:.2f}"
         to_draw.append((rectangle, color, text))
+        if masks is not None:
+            # Lowest score first, so a better detection's fill lies over a worse one's.
+            fill = masks[index]
+            canvas[fill] = np.round(
+                (1.0 - mask_opacity) * canvas[fill] + mask_opacity * np.asarray(color, np.float64)
+            ).astype(np.uint8)
     if not to_draw:
         return canvas
 

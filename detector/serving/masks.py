@@ -166,3 +166,25 @@ def mask_scores(
     probabilities = np.exp(-np.logaddexp(0.0, -logits))  # sigmoid without overflow for very negative logits
     mean_inside = (probabilities * inside).sum(axis=(1, 2)) / (inside.sum(axis=(1, 2)) + 1e-6)
     return (np.asarray(class_scores, np.float32) * mean_inside).astype(np.float32)
+
+
+def instance_masks(
+    class_scores: np.ndarray,
+    mask_logits: np.ndarray,
+    image_hw: tuple[int, int],
+    original_hw: tuple[int, int],
+    mask_stride: int,
+) -> tuple[RleMasks, np.ndarray]:
+    """One image's detections' masks and scores as Mask DINO reports them: what every caller of a mask model uses.
+
+    Args:
+      class_scores: float [N] the detections' class scores.
+      mask_logits: float [N, h, w] their mask logits (see `paste_masks`).
+      image_hw, original_hw, mask_stride: as `paste_masks` takes them.
+    Returns:
+      (`paste_masks`' N masks in original pixels, `mask_scores`' float32 [N] scores).
+    """
+    return (
+        paste_masks(mask_logits, image_hw, original_hw, mask_stride),
+        mask_scores(class_scores, mask_logits, image_hw, mask_stride),
+    )

@@ -16,6 +16,7 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
+import hotcoco
 import jax
 import ml_collections
 import numpy as np
@@ -328,12 +329,17 @@ def predict_images(predictor: Predictor, inputs: Sequence[str], output: str) -> 
                 [[y, x, y + h, x + w] for x, y, w, h in (d["bbox"] for d in mine)], np.float32
             ).reshape(-1, 4)
             image = images[image_id] if image_id in images else read_image(paths[image_id])
+            instance_masks = None
+            if mine and "segmentation" in mine[0]:
+                decoded = np.asarray(hotcoco.mask.decode([d["segmentation"] for d in mine]), bool)
+                instance_masks = np.moveaxis(decoded.reshape(int(height), int(width), len(mine)), -1, 0)
             picture = drawing.draw_detections(
                 image,
                 boxes_yxyx,
                 np.array([label_of_category[d["category_id"]] for d in mine], np.int32),
                 np.array([d["score"] for d in mine], np.float32),
                 info.class_names,
+                masks=instance_masks,
             )
             drawing.save_png(picture, output_dir / pictures[image_id])
     if not is_primary:

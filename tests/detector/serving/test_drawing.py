@@ -1,6 +1,7 @@
 """Detection pictures: outline pixels where the box edges are, tags, clipping, skipped boxes, PNG files."""
 
 import numpy as np
+import pytest
 from PIL import Image
 
 from detector.serving import drawing
@@ -160,3 +161,25 @@ def test_prediction_panels_crop_the_padding_and_show_predictions_beside_ground_t
     assert drawing.class_color(3) not in {tuple(p) for p in left.reshape(-1, 3)}  # below the threshold
     assert tuple(right[12, 4]) == drawing.class_color(1)  # the ground truth's left edge
     assert tuple(right[25, 30]) == (7, 7, 7)  # the image's own pixels
+
+
+def test_masks_are_filled_translucent_in_the_box_colour_better_detections_on_top():
+    boxes = np.array([[20, 4, 44, 40], [20, 24, 44, 60]], np.float32)
+    masks = np.zeros((2, HEIGHT, WIDTH), bool)
+    masks[0, 26:40, 8:34] = True
+    masks[1, 26:40, 28:56] = True  # overlaps the first's columns 28..33
+    grey = np.full((HEIGHT, WIDTH, 3), 100, np.uint8)
+    picture = draw_detections(grey, boxes, np.array([1, 2]), np.array([0.9, 0.5]), masks=masks)
+
+    def blend(color):
+        return np.round(0.55 * 100 + drawing.MASK_OPACITY * np.asarray(color, np.float64)).astype(np.uint8)
+
+    assert np.all(_is_color(picture[30:36, 10:23], blend(class_color(1))))  # box 2's outline at columns 24, 25
+    assert np.all(_is_color(picture[30:36, 41:54], blend(class_color(2))))
+    # Where they overlap, the better detection's fill is the last.
+    overlap = picture[30:36, 29:33]
+    assert np.all(_is_color(overlap, np.round(0.55 * blend(class_color(2)) + 0.45 * np.asarray(class_color(1)))))
+    assert np.all(picture[45:] == 100)  # below every mask, box and tag: the image
+    assert np.array_equal(draw_detections(grey, boxes, np.array([1, 2]), np.array([0.9, 0.5])).shape, picture.shape)
+    with pytest.raises(ValueError, match=r"masks \(1, 48, 64\) must be \[N, H, W\]"):
+        draw_detections(grey, boxes, np.array([1, 2]), np.array([0.9, 0.5]), masks=masks[:1])
