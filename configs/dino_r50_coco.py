@@ -35,28 +35,6 @@ import ml_collections
 
 from configs import common
 
-EPOCH_STEPS = 7_393  # 118,287 COCO train2017 images at global batch 16
-
 
 def get_config() -> ml_collections.ConfigDict:
-    config = common.coco_2017(common.base_config())
-    config.model.name = "dino"
-    config.model.backbone = common.resnet_backbone((3, 4, 6, 3), 64, "bottleneck", norm="frozen_bn", freeze_stages=2)
-    config.model.dino = common.dino_model()
-    config.input.scale_jitter = (0.5, 1.25)
-
-    config.optimizer.name = "adamw"
-    config.optimizer.learning_rate = 1e-4
-    config.optimizer.weight_decay = 1e-4
-    config.optimizer.grad_clip_norm = 0.1
-    config.optimizer.lr_multipliers = (("backbone/.*", 0.1),)
-    config.optimizer.schedule = "step"
-    config.optimizer.warmup_steps = 0
-    config.optimizer.decay_boundaries = (11 * EPOCH_STEPS,)
-
-    config.postprocess.score_threshold = 0.0  # top-100 as DINO evaluates
-    config.global_batch_size = 16
-    config.eval_batch_size = 16
-    config.total_steps = 12 * EPOCH_STEPS
-    config.checkpoint_every_steps = 5_000
-    return config
+    return common.dino_r50_coco()

@@ -48,17 +48,4 @@ from configs import common
 
 
 def get_config() -> ml_collections.ConfigDict:
-    config = common.tiny_dino()
-    # More updates of fewer images each, in the same wall time: DETR-style set
-    # prediction learns per update more than per image here (see above).
-    config.global_batch_size = 4
-    config.total_steps = 2160
-    config.optimizer.warmup_steps = 270
-    config.eval_every_steps = 720
-    config.checkpoint_every_steps = 720
-    # A cheaper step: one encoder layer, two sampling points per head and level.
-    config.model.dino.encoder_layers = 1
-    config.model.dino.num_points = 2
-    config.model.dino.distinct_query_iou = 0.8
-    config.postprocess.query_nms_iou_threshold = 0.7
-    return config
+    return common.dino_tiny()
