@@ -109,7 +109,8 @@ def test_mask_enhanced_anchors_start_the_queries_from_their_proposals_masks(mask
     np.testing.assert_array_equal(with_masks(params)["encoder_boxes"], plain(params)["encoder_boxes"])
     # Where every proposal's mask is empty (a zero pixel embedding), each query keeps its proposal's box.
     silent = jax.tree.map(lambda x: x, params)
-    silent["pixel_embedding"]["mask_features"] = jax.tree.map(jnp.zeros_like, params["pixel_embedding"]["mask_features"])
+    features = params["pixel_embedding"]["mask_features"]
+    silent["pixel_embedding"]["mask_features"] = jax.tree.map(jnp.zeros_like, features)
     np.testing.assert_allclose(with_masks(silent)["boxes"], plain(silent)["boxes"], atol=1e-6)
 
 
