@@ -144,35 +144,19 @@ def pycocotools_path(num_images: int, detections_per_image: int) -> dict:
                     "segmentation": {"size": rle["size"], "counts": rle["counts"].decode("ascii")},
                 }
             )
-    images = [{"id": int(i), "height": HEIGHT, "width": WIDTH} for i in columns["image_ids"]]
-    annotations = [
-        {
-            "id": n + 1,
-            "image_id": int(i),
-            "category_id": int(c),
-            "bbox": [float(v) for v in box],
-            "area": float(box[2] * box[3]),
-            "iscrowd": int(crowd),
-            "segmentation": {"size": rle["size"], "counts": rle["counts"]},
-        }
-        for n, (i, c, box, crowd, rle) in enumerate(
-            zip(columns["gt_image_ids"], columns["gt_category_ids"], columns["gt_xywh"], columns["gt_crowd"], rles)
-        )
-    ]
-    dataset = {
-        "images": images,
-        "annotations": annotations,
-        "categories": [{"id": int(c)} for c in columns["category_ids"]],
-    }
+    dataset, _ = coco_scoring._as_coco(columns)  # 640 x 480 images, the boxes; the masks added here
+    for annotation, rle in zip(dataset["annotations"], rles):
+        annotation["segmentation"] = {"size": rle["size"], "counts": rle["counts"]}
     start = time.perf_counter()
     stats = {}
     with contextlib.redirect_stdout(io.StringIO()):
         coco = COCO()
         coco.dataset = dataset
         coco.createIndex()
-        found = coco.loadRes(results)
         for iou_type in ("bbox", "segm"):
-            evaluation = COCOeval(coco, found, iou_type)
+            # segm as detectron2 scores it: results without their box, so the size ranges test the mask's area.
+            typed = results if iou_type == "bbox" else [{k: v for k, v in r.items() if k != "bbox"} for r in results]
+            evaluation = COCOeval(coco, coco.loadRes(typed), iou_type)
             evaluation.evaluate()
             evaluation.accumulate()
             evaluation.summarize()

@@ -58,6 +58,19 @@ def subprocess_env():
     }
 
 
+def run_in_fresh_process(script: str, directory, output, paths) -> None:
+    """`python -c script DIRECTORY OUTPUT PATH...` in a new process, as a user of the artifact runs it."""
+    result = subprocess.run(
+        [sys.executable, "-c", script, str(directory), str(output), *map(str, paths)],
+        cwd=REPO_ROOT,
+        env=subprocess_env(),
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+
+
 def expected_detections(predictor, images):
     """The in-process predictor's detections per image, mapped to original pixels independently of artifact."""
     opts = transforms.TransformOptions.from_config(predictor.config)
@@ -92,15 +105,7 @@ def assert_fresh_process_detects_what_the_predictor_does(directory, predictor, t
         paths.append(tmp_path / f"image_{i}.png")
         Image.fromarray(image).save(paths[-1])
     output = tmp_path / "exported_detections.npz"
-    result = subprocess.run(
-        [sys.executable, "-c", LOAD_AND_PREDICT, str(directory), str(output), *map(str, paths)],
-        cwd=REPO_ROOT,
-        env=subprocess_env(),
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
-    assert result.returncode == 0, result.stderr[-3000:]
+    run_in_fresh_process(LOAD_AND_PREDICT, directory, output, paths)
     got = np.load(output)
     for i, want in enumerate(expected_detections(predictor, images)):
         assert len(want["scores"]) == max_detections  # threshold 0: every slot holds a detection

@@ -8,7 +8,6 @@ from __future__ import annotations
 import json
 import pathlib
 import signal
-import subprocess
 import sys
 import time
 import types
@@ -26,10 +25,9 @@ from detector.serving.coco_ap import RleMasks
 from detector.training import checkpointing
 from input_pipeline import batch as batch_layout
 from input_pipeline import transforms
-from tests.helpers import REPO_ROOT
 from tests.helpers.runs import checkpoint_steps, once_per_run, read_jsonl
 from tests.helpers.tiny_config import DINO_OVERRIDES, as_flags, make_dino_config
-from tests.integration.test_export import subprocess_env
+from tests.integration.test_export import run_in_fresh_process
 
 pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("compilation_cache_dir")]
 
@@ -172,15 +170,7 @@ def test_exported_program_in_a_fresh_process_gives_the_predictors_masks(mask_run
 
     paths = write_images(tmp_path / "photos")
     output = tmp_path / "exported.json"
-    result = subprocess.run(
-        [sys.executable, "-c", LOAD_AND_PREDICT_MASKS, str(directory), str(output), *map(str, paths)],
-        cwd=REPO_ROOT,
-        env=subprocess_env(),
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
-    assert result.returncode == 0, result.stderr[-3000:]
+    run_in_fresh_process(LOAD_AND_PREDICT_MASKS, directory, output, paths)
     got = json.loads(output.read_text())
 
     # The predictor's own path to masks (`batch_predictions`, as detector.predict and evaluation take it).
