@@ -609,18 +609,10 @@ def dino_vit_coco(
 
 
 def mask_dino_coco(config: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
-    """A DINO COCO recipe (`config`) made Mask DINO's instance-segmentation one (Li et al. 2023).
-
-    Mask DINO's COCO instance settings: a 256-wide mask branch (the pixel
-    embedding at stride 4 and every query's mask embedding) with its
-    mask-enhanced anchors, 300 queries and 9 decoder layers, class weight 4
-    in loss and matching, mask BCE and dice at 5 on 12,544 points (config
-    defaults); masks in the batches at stride 4; the best checkpoint by
-    mask AP. TFDS's coco/2017 carries no segmentation, so the data is a
-    COCO-format folder (`coco_json`), its paths given on the command line:
-      --config.dataset.train_json=.../instances_train2017.json --config.dataset.train_images=.../train2017
-      --config.dataset.eval_json=.../instances_val2017.json --config.dataset.eval_images=.../val2017
-    """
+    """A DINO COCO recipe made Mask DINO's instance-segmentation one (Li et al. 2023): a 256-wide mask branch
+    with mask-enhanced anchors, 300 queries, 9 decoder layers, class weight 4, mask BCE and dice at 5 on 12,544
+    points (the defaults), masks at stride 4, the best checkpoint by mask AP. TFDS's coco/2017 has no masks: the
+    data is a COCO-format folder (`--config.dataset.train_json=... --config.dataset.train_images=...`, eval_*)."""
     config.dataset.name = "coco_json"
     config.model.dino.mask_dim = 256
     config.model.dino.mask_enhanced_anchors = True
@@ -678,11 +670,9 @@ def dino_tiny() -> ml_collections.ConfigDict:
     return config
 
 
-DINO_R50_EPOCH_STEPS = 7_393  # 118,287 COCO train2017 images at global batch 16
-
-
 def dino_r50_coco() -> ml_collections.ConfigDict:
     """configs/dino_r50_coco.py: DINO-4scale ResNet-50, 12 epochs on COCO 2017 (see that file)."""
+    epoch_steps = 7_393  # 118,287 COCO train2017 images at global batch 16
     config = coco_2017(base_config())
     config.model.name = "dino"
     config.model.backbone = resnet_backbone((3, 4, 6, 3), 64, "bottleneck", norm="frozen_bn", freeze_stages=2)
@@ -696,11 +686,11 @@ def dino_r50_coco() -> ml_collections.ConfigDict:
     config.optimizer.lr_multipliers = (("backbone/.*", 0.1),)
     config.optimizer.schedule = "step"
     config.optimizer.warmup_steps = 0
-    config.optimizer.decay_boundaries = (11 * DINO_R50_EPOCH_STEPS,)
+    config.optimizer.decay_boundaries = (11 * epoch_steps,)
 
     config.postprocess.score_threshold = 0.0  # top-100 as DINO evaluates
     config.global_batch_size = 16
     config.eval_batch_size = 16
-    config.total_steps = 12 * DINO_R50_EPOCH_STEPS
+    config.total_steps = 12 * epoch_steps
     config.checkpoint_every_steps = 5_000
     return config
