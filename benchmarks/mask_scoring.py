@@ -24,6 +24,7 @@ and the scoring alone; the peak RSS is the whole child's.
 
 from __future__ import annotations
 
+import dataclasses
 import multiprocessing
 import resource
 import time
@@ -75,7 +76,7 @@ def ellipse_logits(boxes_xywh: np.ndarray) -> np.ndarray:
 
 def project_path(num_images: int, detections_per_image: int) -> dict:
     from detector.serving import masks
-    from detector.serving.coco_ap import CocoDetections, CocoGroundTruth, RleMasks, evaluate
+    from detector.serving.coco_ap import CocoDetections, RleMasks, evaluate
 
     columns, rles, rows = inputs(num_images, detections_per_image)
     paste_s, parts, scores = 0.0, [], np.zeros(len(columns["dt_scores"]))
@@ -88,16 +89,8 @@ def project_path(num_images: int, detections_per_image: int) -> dict:
         paste_s += time.perf_counter() - start
         parts.append(pasted)
     order = np.concatenate(rows)
-    ground_truth = CocoGroundTruth(
-        image_ids=columns["image_ids"],
-        category_ids=columns["category_ids"],
-        box_image_ids=columns["gt_image_ids"],
-        box_category_ids=columns["gt_category_ids"],
-        boxes_xywh=columns["gt_xywh"],
-        areas=columns["gt_xywh"][:, 2] * columns["gt_xywh"][:, 3],
-        is_crowd=columns["gt_crowd"],
-        segmentations=RleMasks.from_coco(rles),
-    )
+    boxes_only, _ = coco_scoring.coco_ap_inputs(columns)
+    ground_truth = dataclasses.replace(boxes_only, segmentations=RleMasks.from_coco(rles))
     detections = CocoDetections(
         columns["dt_image_ids"][order],
         columns["dt_category_ids"][order],
