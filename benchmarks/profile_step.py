@@ -206,7 +206,7 @@ def main(argv: list[str]) -> None:
 if __name__ == "__main__":
     from detector import cli
 
-    cli.use_fast_cpu_convolutions()
+    cli.use_cpu_xla_flags()
     # The step's buffer live ranges, written as XLA compiles it (and removed once read).
     os.environ[_DUMP_ENV] = tempfile.mkdtemp(prefix="profile_step_xla_")
     os.environ["XLA_FLAGS"] = (

@@ -116,5 +116,5 @@ def main(argv: list[str]) -> None:
 if __name__ == "__main__":
     from detector import cli
 
-    cli.use_fast_cpu_convolutions()
+    cli.use_cpu_xla_flags()
     app.run(main)

@@ -270,5 +270,5 @@ if __name__ == "__main__":
     if "--worker=torch" not in sys.argv:  # keep TensorFlow and JAX out of the torch worker
         from detector import cli
 
-        cli.use_fast_cpu_convolutions()
+        cli.use_cpu_xla_flags()
     app.run(main)

@@ -327,3 +327,29 @@ except KeyboardInterrupt:
     )
     assert result.stdout.split() == ["delivered"], result.stdout + result.stderr
     assert "Exception ignored" not in result.stderr, result.stderr
+
+
+@pytest.mark.parametrize(
+    "before, runs_programs, after",
+    [
+        ("", True, "--xla_cpu_use_xnnpack=true --xla_cpu_enable_concurrency_optimized_scheduler=false"),
+        ("", False, "--xla_cpu_use_xnnpack=true"),
+        (
+            "--xla_cpu_use_xnnpack=false --xla_dump_to=/d",
+            True,
+            "--xla_cpu_use_xnnpack=false --xla_dump_to=/d --xla_cpu_enable_concurrency_optimized_scheduler=false",
+        ),
+        (
+            "--xla_cpu_enable_concurrency_optimized_scheduler=true",
+            True,
+            "--xla_cpu_enable_concurrency_optimized_scheduler=true --xla_cpu_use_xnnpack=true",
+        ),
+    ],
+    ids=["unset", "compile_only", "xnnpack_given", "scheduler_given"],
+)
+def test_cpu_xla_flags_are_added_unless_given(monkeypatch, before, runs_programs, after):
+    from detector import cli
+
+    monkeypatch.setenv("XLA_FLAGS", before)
+    cli.use_cpu_xla_flags(runs_programs)
+    assert os.environ["XLA_FLAGS"] == after

@@ -63,9 +63,11 @@ def test_four_micro_batches_give_the_update_of_one_pass_holding_one_micro_batchs
     for step_metrics in (reference.metrics, result.metrics):
         assert [m["num_positives"] for m in step_metrics] == [m["num_positives"] for m in reference.metrics]
     assert_same_training(reference, result, flax.traverse_util.flatten_dict(initial, sep="/"))
-    # The compiled step's temporaries (what `detector.plan` and the trainer's memory report read): a quarter
-    # of the batch's activations at a time, plus what does not scale with the batch.
-    assert result.memory.temp_bytes < 0.6 * reference.memory.temp_bytes, (result.memory, reference.memory)
+    # The compiled step's temporaries (what the trainer's memory report reads): a quarter of the batch's
+    # activations at a time, plus what does not scale with the batch. 0.74 of one pass's under the
+    # collective-ordering schedule the suite runs with (tests/helpers), under 0.6 under XLA:CPU's
+    # concurrency-optimised one; one pass over all micro-batches at once would be 1.
+    assert result.memory.temp_bytes < 0.8 * reference.memory.temp_bytes, (result.memory, reference.memory)
 
 
 @pytest.fixture(scope="module")
