@@ -56,7 +56,12 @@ def non_max_suppression(boxes_yxyx, scores, iou_threshold: float, max_output_siz
         return keep & ~suppress
 
     keep = jax.lax.fori_loop(0, num_boxes, body, candidate)
-    (kept_pos,) = jnp.nonzero(keep, size=max_output_size, fill_value=0)
+    # The kept positions in order, as top-k of a rank that falls with the
+    # position (0 for the dropped): what jnp.nonzero(size=) gives, without its
+    # scatter (which ONNX converters do not take).
+    slots = min(max_output_size, num_boxes)
+    _, kept_pos = jax.lax.top_k(jnp.where(keep, num_boxes - jnp.arange(num_boxes), 0), slots)
+    kept_pos = jnp.pad(kept_pos, (0, max_output_size - slots))
     valid = jnp.arange(max_output_size) < jnp.sum(keep)
     indices = jnp.where(valid, order[kept_pos], 0).astype(jnp.int32)
     return indices, valid

@@ -319,3 +319,19 @@ def test_detect_from_queries_returns_each_detections_query(nms_iou_threshold):
         (1 / (1 + np.exp(-logits)))[np.nonzero(valid)[0], queries[valid], classes[valid]],
         rtol=1e-5,
     )
+
+
+@pytest.mark.parametrize("max_output_size", [3, 12])  # fewer and more slots than boxes
+def test_nms_program_has_no_scatter(max_output_size):
+    """The kept positions come from top-k, not jnp.nonzero's scatter, which ONNX converters do not take."""
+    boxes = jnp.array([[0, 0, 10, 10], [1, 1, 11, 11], [20, 20, 30, 30], [0, 0, 5, 5]] * 2, jnp.float32)
+    scores = jnp.linspace(1.0, 0.1, 8)
+    program = str(
+        jax.make_jaxpr(lambda b, s: postprocess.non_max_suppression(b, s, 0.5, max_output_size))(boxes, scores)
+    )
+    assert "scatter" not in program
+    indices, valid = postprocess.non_max_suppression(boxes, scores, 0.5, max_output_size)
+    # 0, 2, 3 survive in the first copy; their twins (4, 6, 7) overlap them fully.
+    kept = [0, 2, 3][:max_output_size]
+    assert indices[valid].tolist() == kept and int(valid.sum()) == len(kept)
+    assert indices[~valid].tolist() == [0] * (max_output_size - len(kept))
