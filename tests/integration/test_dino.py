@@ -2,8 +2,8 @@
 
 Two steps of a tiny DINO (64 px, 32 queries, every training option on) on
 the synthetic shapes: what is checked is that every user-facing path takes
-the DINO family unchanged and that a run resumes exactly, not what it learns
-in two steps.
+the DINO family unchanged, not what it learns in two steps. That a run with
+every DINO option on resumes exactly: tests/integration/test_mask_dino.py.
 """
 
 from __future__ import annotations
@@ -12,19 +12,16 @@ import json
 import subprocess
 import sys
 
-import jax
 import numpy as np
 import pytest
 
-import input_pipeline
 from detector.loop import trainer
 from detector.serving import artifact
 from detector.serving.predictor import load_predictor
 from tests.helpers import REPO_ROOT
-from tests.helpers.runs import checkpoint_steps, flat, once_per_run
+from tests.helpers.runs import once_per_run
 from tests.helpers.tiny_config import DINO_OVERRIDES, as_flags, make_dino_config
 from tests.integration.test_export import assert_fresh_process_detects_what_the_predictor_does, subprocess_env
-from tests.integration.test_train import Preempted, WrappedTrainIterator, restore_latest
 
 pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("compilation_cache_dir")]
 
@@ -55,45 +52,6 @@ def test_dino_trains_and_evaluates_in_the_loop(dino_run):
         assert np.isfinite(row["loss"]) and row["denoising_loss"] > 0 and row["encoder_loss"] > 0, row
         assert row["one_to_many_loss"] > 0, row
         assert row["num_positives"] > 0
-
-
-def test_dino_run_stopped_after_step_1_resumes_to_the_uninterrupted_state(dino_run, data_dir, tmp_path, monkeypatch):
-    """Denoising noise, the hybrid branch and its matching, the quality-aware loss, mosaics, distinct query
-    selection: all functions of the checkpoint and the step, so a restart ends bit for bit where the
-    uninterrupted run did."""
-    config = make_dino_config(data_dir, **{**STEPS, "checkpoint_every_steps": 1})
-    real_create_train_iterator = input_pipeline.create_train_iterator
-    starts = []
-
-    def dies_at_step_2(batch, step):
-        if step == 2:
-            raise Preempted
-        return batch
-
-    def create_train_iterator(config, *, start_position=0, first_row=None):
-        starts.append(start_position)
-        batches = real_create_train_iterator(config, start_position=start_position, first_row=first_row)
-        return batches if len(starts) > 1 else WrappedTrainIterator(batches, config.global_batch_size, dies_at_step_2)
-
-    monkeypatch.setattr(input_pipeline, "create_train_iterator", create_train_iterator)
-    with pytest.raises(Preempted):
-        trainer.train_and_evaluate(config, str(tmp_path))
-    assert checkpoint_steps(tmp_path) == [1]
-    trainer.train_and_evaluate(config, str(tmp_path))
-    assert starts == [0, config.global_batch_size]
-
-    workdir, _ = dino_run
-    (resumed, _, resumed_step), (expected, _, expected_step) = (
-        restore_latest(tmp_path, config),
-        restore_latest(workdir, config),
-    )
-    assert resumed_step == expected_step == 2
-    assert "one_to_many_content" in flat(expected.params)
-    for name, value in flat(expected.params).items():
-        np.testing.assert_array_equal(flat(resumed.params)[name], value, err_msg=name)
-    # The optimizer's moments and counters and the EMA too.
-    for actual, wanted in zip(jax.tree.leaves(resumed), jax.tree.leaves(expected), strict=True):
-        np.testing.assert_array_equal(actual, wanted)
 
 
 def test_dino_artifact_in_a_fresh_process_detects_what_the_predictor_does(dino_run, data_dir, tmp_path):

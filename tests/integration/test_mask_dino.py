@@ -1,15 +1,11 @@
 """Mask DINO end to end: four steps on the embedded shapes with their masks, an evaluation whose background
-scoring gives mask AP beside box AP; a run killed with SIGKILL mid-way and restarted ends bit-identical;
+scoring gives mask AP beside box AP; a run stopped mid-way and restarted ends bit-identical;
 `detector.predict`'s masks (RLE in the results, filled in the pictures) and the exported program's, in a fresh
 process, equal to the predictor's."""
 
 from __future__ import annotations
 
 import json
-import pathlib
-import signal
-import sys
-import time
 import types
 
 import hotcoco
@@ -18,6 +14,7 @@ import numpy as np
 import pytest
 from PIL import Image
 
+import input_pipeline
 from detector.loop import trainer
 from detector.serving import artifact, coco_evaluation
 from detector.serving import predictor as predictor_lib
@@ -26,8 +23,10 @@ from detector.training import checkpointing
 from input_pipeline import batch as batch_layout
 from input_pipeline import transforms
 from tests.helpers.runs import checkpoint_steps, once_per_run, read_jsonl
-from tests.helpers.tiny_config import DINO_OVERRIDES, as_flags, make_dino_config
+from tests.helpers.tiny_config import make_dino_config
 from tests.integration.test_export import run_in_fresh_process
+from tests.integration.test_fault_tolerance import saved_state
+from tests.integration.test_train import Preempted, WrappedTrainIterator
 
 pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("compilation_cache_dir")]
 
@@ -67,35 +66,43 @@ def test_mask_dino_trains_and_scores_mask_ap_in_the_loop(mask_run):
     assert checkpointing.restore_best(str(workdir))[0] == 4
 
 
-def test_a_mask_run_killed_mid_way_resumes_bit_identical(mask_run, data_dir, tmp_path):
-    """`python -m detector.train` with masks, SIGKILLed after step 3 (checkpoint 2 committed) and started again,
-    ends with the uninterrupted run's parameters and optimizer state: the mask points of each (step, image)
-    and the batches after a restart are the same."""
-    from tests.integration.test_fault_tolerance import saved_state, start_processes
+def test_a_mask_run_stopped_after_step_2_resumes_to_the_uninterrupted_state(mask_run, data_dir, tmp_path, monkeypatch):
+    """Stopped at step 3 (checkpoint 2 saved) and started again, the run ends bit for bit where the
+    uninterrupted one did: parameters, optimizer state, EMA and every step's losses. Every DINO option is on
+    (denoising noise, the hybrid branch and its matching, the quality-aware loss, mosaics, distinct query
+    selection) beside the masks and the mask points of each (step, image): all functions of the checkpoint and
+    the step. A real SIGKILL and restart of `detector.train`: tests/integration/test_fault_tolerance.py."""
+    config = make_dino_config(data_dir, **MASKS, **STEPS, best_metric="mask_AP")
+    real_create_train_iterator = input_pipeline.create_train_iterator
+    starts = []
 
-    flags = as_flags(data_dir, **DINO_OVERRIDES, **MASKS, **STEPS, best_metric="mask_AP")
-    command = [sys.executable, "-m", "detector.train", "--config=configs/default.py", f"--workdir={tmp_path}", *flags]
-    cache = pathlib.Path(jax.config.jax_compilation_cache_dir)
-    [run] = start_processes(command, 1, 8, cache)
-    run.wait_for(r"step 3/4")
-    deadline = time.monotonic() + 60
-    while 2 not in checkpoint_steps(tmp_path) and time.monotonic() < deadline:  # its asynchronous save committed
-        time.sleep(0.05)
-    run.kill(signal.SIGKILL)
-    assert run.finish() == -signal.SIGKILL
-    [run] = start_processes(command, 1, 8, cache)
-    resumed = run.wait_for(r"resuming from step (\d+)")
-    assert run.finish() == 0, run.output[-3000:]
-    assert int(resumed.group(1)) == 2
+    def dies_at_step_3(batch, step):
+        if step == 3:
+            raise Preempted
+        return batch
+
+    def create_train_iterator(config, *, start_position=0, first_row=None):
+        starts.append(start_position)
+        batches = real_create_train_iterator(config, start_position=start_position, first_row=first_row)
+        return batches if len(starts) > 1 else WrappedTrainIterator(batches, config.global_batch_size, dies_at_step_3)
+
+    monkeypatch.setattr(input_pipeline, "create_train_iterator", create_train_iterator)
+    with pytest.raises(Preempted):
+        trainer.train_and_evaluate(config, str(tmp_path))
+    assert checkpoint_steps(tmp_path) == [2]
+    trainer.train_and_evaluate(config, str(tmp_path))
+    assert starts == [0, 2 * config.global_batch_size]
+
     final, expected = saved_state(tmp_path, 4), saved_state(mask_run.workdir, 4)
     leaves = jax.tree_util.tree_leaves_with_path(expected)
     assert any("pixel_embedding" in jax.tree_util.keystr(path) for path, _ in leaves)
+    assert any("one_to_many_content" in jax.tree_util.keystr(path) for path, _ in leaves)
     for (path, wanted), actual in zip(leaves, jax.tree.leaves(final), strict=True):
         np.testing.assert_array_equal(actual, wanted, err_msg=jax.tree_util.keystr(path))
 
     def losses(workdir):
         rows = [row for row in read_jsonl(workdir / "train_metrics.jsonl") if "loss" in row]
-        return [(row["step"], row["loss"], row["mask_loss"], row["dice_loss"]) for row in rows]
+        return {row["step"]: (row["loss"], row["mask_loss"], row["dice_loss"]) for row in rows}
 
     assert losses(tmp_path) == losses(mask_run.workdir)
 

@@ -84,18 +84,6 @@ SPATIAL_SPECS = {
 # whose input gradient XLA:CPU's partitioner gathers the FSDP-split kernel for
 # again (three more all-gathers of kernels, 41 KB in all; no activation moves).
 VIT_COLLECTIVES = {"all-reduce": 40, "all-gather": 188, "reduce-scatter": 0, "all-to-all": 2, "collective-permute": 136}
-# At 64 px (85 proposals, 8 box slots), in 2 micro-batches: the network's
-# collectives run once per micro-batch (in one pass: 39 all-reduces, 226
-# all-gathers, 21 all-to-alls, 140 collective-permutes). One all-gather more
-# (292, was 291) since the decoder's attention mask is built inside the model
-# from the denoising groups (models/query_layout.py).
-DINO_COLLECTIVES = {
-    "all-reduce": 72,
-    "all-gather": 292,
-    "reduce-scatter": 0,
-    "all-to-all": 42,
-    "collective-permute": 238,
-}
 SPATIAL_COLLECTIVES = {
     "all-reduce": 77,
     "all-gather": 10,
@@ -181,17 +169,18 @@ def dino_config():
     return config
 
 
-# Mask DINO (the mask branch on the tiny DINO above, 8-wide embeddings, 64 points a mask), in one pass: DINO's
-# (39, 226, 21, 140 above) and the branch's FSDP-split kernels gathered for its convolutions and MLP, forward
-# and backward (42 all-gathers), its stride-4 map's rows moved between 'model' shards around the 3x3
-# convolution and the bilinear resize (36 collective-permutes, 1 all-to-all) and its gradients' one more
-# all-reduce.
+# Mask DINO (the mask branch on the tiny DINO above, 8-wide embeddings, 64 points a mask) in 2 micro-batches:
+# the network's collectives run once per micro-batch. In one pass DINO alone needs 39 all-reduces, 226
+# all-gathers, 21 all-to-alls and 140 collective-permutes; the branch adds its FSDP-split kernels gathered for
+# its convolutions and MLP, forward and backward (42 all-gathers), its stride-4 map's rows moved between 'model'
+# shards around the 3x3 convolution and the bilinear resize (36 collective-permutes, 1 all-to-all) and its
+# gradients' one more all-reduce: 40, 268, 22 and 176 in one pass.
 MASK_DINO_COLLECTIVES = {
-    "all-reduce": 40,
-    "all-gather": 268,
+    "all-reduce": 80,
+    "all-gather": 344,
     "reduce-scatter": 0,
-    "all-to-all": 22,
-    "collective-permute": 176,
+    "all-to-all": 42,
+    "collective-permute": 298,
 }
 
 
@@ -204,35 +193,30 @@ def mask_dino_config():
     return config
 
 
-def test_mask_dino_trains_identically_on_a_2x2x2_mesh():
-    """The mask branch's pixel embedding (its rows over `model`, as convolutions), the point-sampled mask
-    terms of matching and loss and their per-image points: one device's three steps on (2, 2, 2)."""
+def test_mask_dino_trains_identically_on_a_2x2x2_mesh_in_micro_batches():
+    """Denoising, the one-to-many branch, deformable attention and the mask branch with heads, FFN and widths
+    split, each batch in 2 micro-batches: the update of one pass on one device.
+
+    The micro-batches split what DINO computes per image (denoising noise, the
+    mask points of each image) and the box count that normalises its losses
+    over the whole global batch. The pixel embedding's rows go over `model`,
+    as convolutions'. The recipe's own structure (1 encoder layer, 2 points).
+    Proposal selection and matching are held fixed and bilinear sampling
+    smoothed (`continuous_dino`): the other summation order may flip a
+    near-tie or move a sampling point across a pixel edge, which changes a
+    gradient by a finite amount on some CPUs and not others; the selection's
+    and the matcher's own sharding are tested in tests/detector/ops and
+    tests/detector/models, the sampling's values and gradients in
+    tests/detector/ops. DINO without the branch is the same network with one
+    output fewer (tests/detector/models/test_mask_branch.py).
+    """
     config = mask_dino_config()
     with continuous_dino():
-        reference, sharded = check_sharded_training(config, (2, 2, 2), DINO_SPECS, MASK_DINO_COLLECTIVES)
-    for expected, actual in zip(reference.metrics, sharded.metrics, strict=True):
-        assert expected["mask_loss"] > 0 and expected["dice_loss"] > 0
-        for key in ("mask_loss", "dice_loss"):
-            np.testing.assert_allclose(actual[key], expected[key], rtol=METRIC_RTOL, err_msg=key)
-
-
-def test_dino_trains_identically_on_a_2x2x2_mesh_in_micro_batches():
-    """Denoising, the one-to-many branch and deformable attention with heads, FFN and widths split, each batch
-    in 2 micro-batches: the update of one pass on one device.
-
-    The micro-batches split what DINO computes per image (denoising noise) and
-    the box count that normalises its losses over the whole global batch.
-    The recipe's own structure (1 encoder layer, 2 points). Proposal
-    selection and matching are held fixed and bilinear sampling smoothed
-    (`continuous_dino`): the other summation order may flip a near-tie or
-    move a sampling point across a pixel edge, which changes a gradient by a
-    finite amount on some CPUs and not others; the selection's and the
-    matcher's own sharding are tested in tests/detector/ops and
-    tests/detector/models, the sampling's values and gradients in tests/detector/ops.
-    """
-    config = dino_config()
-    with continuous_dino():
-        reference, sharded = check_sharded_training(config, (2, 2, 2), DINO_SPECS, DINO_COLLECTIVES, accumulate_steps=2)
+        reference, sharded = check_sharded_training(
+            config, (2, 2, 2), DINO_SPECS, MASK_DINO_COLLECTIVES, accumulate_steps=2
+        )
     for expected, actual in zip(reference.metrics, sharded.metrics, strict=True):
         assert actual["num_positives"] == expected["num_positives"]
-        np.testing.assert_allclose(actual["denoising_loss"], expected["denoising_loss"], rtol=METRIC_RTOL)
+        assert expected["mask_loss"] > 0 and expected["dice_loss"] > 0
+        for key in ("denoising_loss", "mask_loss", "dice_loss"):
+            np.testing.assert_allclose(actual[key], expected[key], rtol=METRIC_RTOL, err_msg=key)
