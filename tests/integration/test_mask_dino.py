@@ -68,7 +68,7 @@ def test_mask_dino_trains_and_scores_mask_ap_in_the_loop(mask_run):
 
 def test_a_mask_run_stopped_after_step_2_resumes_to_the_uninterrupted_state(mask_run, data_dir, tmp_path, monkeypatch):
     """Stopped at step 3 (checkpoint 2 saved) and started again, the run ends bit for bit where the
-    uninterrupted one did: parameters, optimizer state, EMA and every step's losses. Every DINO option is on
+    uninterrupted one did: parameters, optimizer state and every step's losses. Every DINO option is on
     (denoising noise, the hybrid branch and its matching, the quality-aware loss, mosaics, distinct query
     selection) beside the masks and the mask points of each (step, image): all functions of the checkpoint and
     the step. A real SIGKILL and restart of `detector.train`: tests/integration/test_fault_tolerance.py."""
