@@ -280,7 +280,7 @@ _INSTRUCTION_RE = re.compile(r"\s+(?:ROOT\s+)?%?([^\s=]+)\s*=\s*")
 _OPCODE_RE = re.compile(r"\s*([a-z][a-z0-9\-]*)\(")
 # An array shape with a layout without nested braces: where most instructions' shapes end, found without
 # parsing them.
-_ARRAY_SPAN_RE = re.compile(r'[a-z][a-z0-9]*\[[^\]]*\](?:\{[^{}"]*\})?')
+_ARRAY_SPAN_RE = re.compile(f"{_ARRAY_RE.pattern}(?:{_FLAT_BRACES_RE.pattern})?")
 
 
 def _split_top(text: str) -> list[str]:
