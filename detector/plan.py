@@ -56,18 +56,20 @@ def main(argv: list[str]) -> None:
     # Planning the same config again (another --device_memory_gb, a later
     # search) loads the compiled steps instead of compiling them again.
     compilation_cache.use_compilation_cache(cli.COMPILATION_CACHE_DIR.value)
+    from detector.models.layers import accelerator_convolutions
     from detector.training.train_compile import print_plan
 
-    print_plan(
-        _CONFIG.value,
-        config_path=flags.FLAGS["config"].config_filename,
-        devices=_DEVICES.value,
-        device_memory_gb=_DEVICE_MEMORY_GB.value,
-        search=_SEARCH.value,
-        max_model=_MAX_MODEL.value,
-        max_candidates=_MAX_CANDIDATES.value,
-        json_path=_JSON.value,
-    )
+    with accelerator_convolutions():
+        print_plan(
+            _CONFIG.value,
+            config_path=flags.FLAGS["config"].config_filename,
+            devices=_DEVICES.value,
+            device_memory_gb=_DEVICE_MEMORY_GB.value,
+            search=_SEARCH.value,
+            max_model=_MAX_MODEL.value,
+            max_candidates=_MAX_CANDIDATES.value,
+            json_path=_JSON.value,
+        )
 
 
 if __name__ == "__main__":

@@ -9,8 +9,9 @@ names to mesh axes.
 
 from __future__ import annotations
 
+import contextlib
 import functools
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import flax.linen as nn
@@ -129,6 +130,23 @@ class LayerNorm(nn.Module):
         return normalize(x, scale, bias, self.epsilon).astype(self.dtype)
 
 
+# Whether a CPU backend builds convolutions with the matmul kernel gradient (`convolution`). `detector.plan`
+# compiles for accelerators on fake CPU devices and turns it off, so that it measures the convolution an
+# accelerator runs: the matmul form holds each tap's shifted copy of the input (GBs at 1024 px).
+_cpu_matmul_kernel_gradient = True
+
+
+@contextlib.contextmanager
+def accelerator_convolutions() -> Iterator[None]:
+    """Within it, `conv` builds XLA's own convolution on every backend (for programs compiled for accelerators)."""
+    global _cpu_matmul_kernel_gradient
+    previous, _cpu_matmul_kernel_gradient = _cpu_matmul_kernel_gradient, False
+    try:
+        yield
+    finally:
+        _cpu_matmul_kernel_gradient = previous
+
+
 def conv(
     features: int,
     kernel_size: int = 3,
@@ -146,9 +164,10 @@ def conv(
     `padding` is what `nn.Conv` takes: 'SAME' (the default) or explicit
     `((top, bottom), (left, right))` pixels; see `symmetric_padding`. On a
     CPU backend the kernel gradient runs as matmuls (`detector.models.convolution`:
-    XLA:CPU's own is several times slower); elsewhere XLA's convolution is used.
+    XLA:CPU's own is several times slower); elsewhere, and within
+    `accelerator_convolutions`, XLA's convolution is used.
     """
-    on_cpu = jax.default_backend() == "cpu"
+    on_cpu = _cpu_matmul_kernel_gradient and jax.default_backend() == "cpu"
     return nn.Conv(
         features,
         (kernel_size, kernel_size),

@@ -114,7 +114,7 @@ def _sample_maps(maps, points):
     index, weight = _bilinear_taps(points, height, width)
     flat = maps.reshape(*maps.shape[:-2], height * width)
     # One gather of the 4 taps of every point (broadcast over the maps' leading axes), then their weighted sum.
-    taps = jnp.take_along_axis(flat, index.reshape(*index.shape[:-2], -1), axis=-1)
+    taps = jnp.take_along_axis(flat, index.reshape(*index.shape[:-2], -1), axis=-1, mode="promise_in_bounds")
     taps = taps.reshape(*taps.shape[:-1], -1, 4)
     # bool ground truth and bfloat16 maps are summed in float32.
     return jnp.sum(taps.astype(jnp.promote_types(taps.dtype, jnp.float32)) * weight, axis=-1)
@@ -161,10 +161,35 @@ def sample_pixel_embedding(pixel_embedding, points):
     batch, height, width, channels = pixel_embedding.shape
     index, weight = _bilinear_taps(points, height, width)
     flat = pixel_embedding.reshape(batch, height * width, channels)
-    taps = jnp.take_along_axis(flat, index.reshape(batch, -1, 1), axis=1)  # [B, 4P, C]
-    taps = taps.reshape(batch, -1, 4, channels).astype(jnp.promote_types(taps.dtype, jnp.float32))
-    # A weighted sum, not an einsum: a 4-term contraction lowered to a matmul could run in TF32 on GPUs.
-    return jnp.sum(taps * weight[..., None], axis=-2)
+    dtype = jnp.promote_types(flat.dtype, jnp.float32)
+    # One tap at a time: gathering all four at once would hold [B, 4P, C] (GBs at 1024 px and 40k points)
+    # twice, for the gather and its weighting. A weighted sum, not an einsum: a 4-term contraction lowered
+    # to a matmul could run in TF32 on GPUs. The indices are clamped into the map by _bilinear_taps.
+    sampled = None
+    for tap in range(4):
+        rows = jnp.take_along_axis(flat, index[..., tap, None], axis=1, mode="promise_in_bounds")
+        term = rows.astype(dtype) * weight[..., tap, None]
+        sampled = term if sampled is None else sampled + term
+    return sampled
+
+
+def logits_at_samples(mask_embedding, sampled_embedding, precision=None):
+    """Mask logits of N queries at points where the pixel embedding was sampled (`sample_pixel_embedding`).
+
+    Args:
+      mask_embedding: float [B, N, C], one embedding per query (or per matched mask).
+      sampled_embedding: float [B, P, C], the pixel embedding at each image's P points.
+      precision: the einsum's `jax.lax.Precision` (None: the default).
+
+    Returns:
+      float32 [B, N, P] logits.
+    """
+    return jnp.einsum(
+        "bnc,bpc->bnp",
+        jnp.asarray(mask_embedding, jnp.float32),
+        jnp.asarray(sampled_embedding, jnp.float32),
+        precision=precision,
+    )
 
 
 def mask_logits_at_points(mask_embedding, pixel_embedding, points, precision=None):
@@ -183,8 +208,7 @@ def mask_logits_at_points(mask_embedding, pixel_embedding, points, precision=Non
     Returns:
       float32 [B, N, P] logits.
     """
-    sampled = sample_pixel_embedding(pixel_embedding, points)
-    return jnp.einsum("bnc,bpc->bnp", jnp.asarray(mask_embedding, jnp.float32), sampled, precision=precision)
+    return logits_at_samples(mask_embedding, sample_pixel_embedding(pixel_embedding, points), precision)
 
 
 def mask_targets_at_points(masks, points):
@@ -330,6 +354,26 @@ def points_of_pool(pool, index):
     return jnp.take_along_axis(jnp.asarray(pool)[:, None], jnp.asarray(index)[..., None], axis=-2)
 
 
+def pool_targets_of_rows(pool_targets, source, index):
+    """The ground truth at each row's selected pool points, without a [B, R, K] copy of the pool's targets.
+
+    Args:
+      pool_targets: float [B, M, K], each ground-truth mask at its image's pool
+        (`mask_targets_at_points(masks, pool)`).
+      source: int [B, R], the ground-truth mask each row is trained on (in [0, M)).
+      index: int [B, R, P], the row's points as indices into the pool (`uncertain_points`).
+
+    Returns:
+      float [B, R, P]: pool_targets[b, source[b, r], index[b, r, p]].
+    """
+    pool_targets = jnp.asarray(pool_targets)
+    batch, num_masks, pool_size = pool_targets.shape
+    flat_index = jnp.asarray(source, jnp.int32)[..., None] * pool_size + jnp.asarray(index, jnp.int32)
+    flat = pool_targets.reshape(batch, num_masks * pool_size)
+    selected = jnp.take_along_axis(flat, flat_index.reshape(batch, -1), axis=1, mode="promise_in_bounds")
+    return selected.reshape(flat_index.shape)
+
+
 def _normalizer(num_masks):
     # As Mask2Former (and the set loss here): at least 1, so a batch without masks gives 0, not 0 / 0.
     return jnp.maximum(jnp.asarray(num_masks, jnp.float32), 1.0)
@@ -338,6 +382,31 @@ def _normalizer(num_masks):
 def _point_bce(logits, targets):
     """Elementwise BCE of sigmoid(logits) against (soft) targets, from softplus (exact for large |logits|)."""
     return targets * jax.nn.softplus(-logits) + (1.0 - targets) * jax.nn.softplus(logits)
+
+
+def sigmoid_bce_per_mask(logits, targets):
+    """Each mask's mean BCE of sigmoid(logits) against targets over its points: float [..., N, P] x2 -> [..., N]."""
+    logits = jnp.asarray(logits, jnp.float32)
+    targets = jnp.asarray(targets, jnp.float32)
+    return jnp.mean(_point_bce(logits, targets), axis=-1)
+
+
+def dice_per_mask(logits, targets):
+    """Each mask's dice loss 1 - (2 sum(p t) + 1) / (sum(p) + sum(t) + 1), p = sigmoid(logits).
+
+    float [..., N, P] logits and targets -> [..., N].
+    """
+    logits = jnp.asarray(logits, jnp.float32)
+    targets = jnp.asarray(targets, jnp.float32)
+    probabilities = jax.nn.sigmoid(logits)
+    numerator = 2.0 * jnp.sum(probabilities * targets, axis=-1)
+    denominator = jnp.sum(probabilities, axis=-1) + jnp.sum(targets, axis=-1)
+    return 1.0 - (numerator + 1.0) / (denominator + 1.0)
+
+
+def total_over_masks(weighted_per_mask, num_masks, axis=None):
+    """Weighted per-mask losses summed (over `axis`, None: all) and divided by the global mask count (at least 1)."""
+    return jnp.sum(jnp.asarray(weighted_per_mask, jnp.float32), axis=axis) / _normalizer(num_masks)
 
 
 def sigmoid_bce_loss(logits, targets, weights, num_masks):
@@ -353,10 +422,7 @@ def sigmoid_bce_loss(logits, targets, weights, num_masks):
     Returns:
       float32 scalar, nats per mask.
     """
-    logits = jnp.asarray(logits, jnp.float32)
-    targets = jnp.asarray(targets, jnp.float32)
-    per_mask = jnp.mean(_point_bce(logits, targets), axis=-1)
-    return jnp.sum(per_mask * jnp.asarray(weights, jnp.float32)) / _normalizer(num_masks)
+    return total_over_masks(sigmoid_bce_per_mask(logits, targets) * jnp.asarray(weights, jnp.float32), num_masks)
 
 
 def dice_loss(logits, targets, weights, num_masks):
@@ -367,13 +433,7 @@ def dice_loss(logits, targets, weights, num_masks):
     Returns:
       float32 scalar, per mask (each mask's term in [0, 1)).
     """
-    logits = jnp.asarray(logits, jnp.float32)
-    targets = jnp.asarray(targets, jnp.float32)
-    probabilities = jax.nn.sigmoid(logits)
-    numerator = 2.0 * jnp.sum(probabilities * targets, axis=-1)
-    denominator = jnp.sum(probabilities, axis=-1) + jnp.sum(targets, axis=-1)
-    per_mask = 1.0 - (numerator + 1.0) / (denominator + 1.0)
-    return jnp.sum(per_mask * jnp.asarray(weights, jnp.float32)) / _normalizer(num_masks)
+    return total_over_masks(dice_per_mask(logits, targets) * jnp.asarray(weights, jnp.float32), num_masks)
 
 
 # Matching costs are contracted at full float32: a TF32 matmul's ~1e-3 relative error on a cost of P terms is

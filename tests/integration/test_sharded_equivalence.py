@@ -173,10 +173,12 @@ def dino_config():
 # the network's collectives run once per micro-batch. In one pass DINO alone needs 39 all-reduces, 226
 # all-gathers, 21 all-to-alls and 140 collective-permutes; the branch adds its FSDP-split kernels gathered for
 # its convolutions and MLP, forward and backward (42 all-gathers), its stride-4 map's rows moved between 'model'
-# shards around the 3x3 convolution and the bilinear resize (36 collective-permutes, 1 all-to-all) and its
-# gradients' one more all-reduce: 40, 268, 22 and 176 in one pass.
+# shards around the 3x3 convolution and the bilinear resize (36 collective-permutes, 1 all-to-all), its
+# gradients' one more all-reduce, and one all-reduce per set of queries (11) of its point logits, whose
+# contraction runs over the 'model'-split embedding width (the loss takes the sets one at a time, for memory):
+# 48, 268, 22 and 176 in one pass.
 MASK_DINO_COLLECTIVES = {
-    "all-reduce": 80,
+    "all-reduce": 96,
     "all-gather": 344,
     "reduce-scatter": 0,
     "all-to-all": 42,

@@ -19,10 +19,8 @@ from detector.models.necks import ChannelMapper, SimpleFeaturePyramid
 from detector.models.query_layout import QueryLayout
 from detector.ops import denoising, losses, mask_losses, matching, postprocess
 
-# Folded into each image's key: the mask points' draws, apart from the denoising noise's.
+# Folded into each image's key: the mask points' draws (matching, loss), apart from the denoising noise's.
 _MASK_MATCH_TAG, _MASK_LOSS_TAG = 0x4D4D00, 0x4D4C00
-# Offsets of the sets' indices within those tags: one-to-one layers and the encoder from 0, then these.
-_MANY_TAG, _DENOISING_TAG = 0x40, 0x80
 
 
 def create(config, num_classes: int, *, data_parallel_devices: int = 1) -> Dino:
@@ -215,60 +213,55 @@ def objective(config, model: nn.Module, num_classes: int) -> Objective:
             **loss_weights,
         )
 
-    def mask_cost(embeddings, masks, layer):
+    def mask_cost(embeddings, masks):
         """Mask DINO's mask matching cost `[B, Q, M]` of queries' mask embeddings `[B, Q, C]` (no gradient).
 
-        Every query against every ground-truth mask at the same mask_points
-        uniform points per image; a slot without a mask costs 0 (its box alone matches it).
+        Every query against every ground-truth mask at the image's mask_points
+        uniform matching points; a slot without a mask costs 0 (its box alone matches it).
         """
-        keys = mask_losses.fold_in_keys(masks["keys"], _MASK_MATCH_TAG + layer)
-        points = mask_losses.uniform_points(keys, mask_points)
-        logits = mask_losses.mask_logits_at_points(embeddings, masks["pixel_embedding"], points)
-        truth = jnp.take_along_axis(
-            mask_losses.mask_targets_at_points(masks["gt_masks"], points), masks["gt_source"][..., None], axis=1
-        )
+        logits = mask_losses.logits_at_samples(embeddings, masks["match_embedding"])
+        truth = jnp.take_along_axis(masks["match_targets"], masks["gt_source"][..., None], axis=1)
         cost = weights.match_mask_weight * mask_losses.mask_bce_cost(logits, truth)
         cost = cost + weights.match_dice_weight * mask_losses.mask_dice_cost(logits, truth)
         return jnp.where(masks["valid"][:, None, :], cost, 0.0)
 
-    def mask_row_losses(row_embeddings, row_gt, row_weight, masks, divisor, tag):
-        """Mask BCE and dice of rows of mask embeddings `[B, R, C]` against the ground-truth slot each is
-        trained on (`row_gt` int `[B, R]`, -1 for none), weighted by `row_weight` `[B, R]`.
+    def mask_row_losses(row_embeddings, row_gt, row_weight, masks):
+        """Weighted mask BCE and dice `[B, R]` of rows of mask embeddings `[B, R, C]` against the ground-truth
+        slot each is trained on (`row_gt` int `[B, R]`, -1 for none), weighted by `row_weight` `[B, R]`. The
+        caller sums them over the batch after its loop over sets: one reduction across devices, not one per set.
 
         Each row's mask_points are the most uncertain of its image's pool of
         candidates plus fresh uniform ones (`mask_losses.uncertain_points`).
         """
-        keys = mask_losses.fold_in_keys(masks["keys"], _MASK_LOSS_TAG + tag)
-        pool = mask_losses.importance_point_pool(keys, mask_points, **point_ratios)
-        pool_logits = mask_losses.mask_logits_at_points(row_embeddings, masks["pixel_embedding"], pool)
+        pool_logits = mask_losses.logits_at_samples(row_embeddings, masks["pool_embedding"])
         index = mask_losses.uncertain_points(pool_logits, mask_points, **point_ratios)
         slot = jnp.maximum(row_gt, 0)
         source = jnp.take_along_axis(masks["gt_source"], slot, axis=1)
-        truth_at_pool = jnp.take_along_axis(
-            mask_losses.mask_targets_at_points(masks["gt_masks"], pool), source[..., None], axis=1
-        )
+        truth = mask_losses.pool_targets_of_rows(masks["pool_targets"], source, index)
         logits = jnp.take_along_axis(pool_logits, index, axis=-1)
-        truth = jnp.take_along_axis(truth_at_pool, index, axis=-1)
         row_weight = row_weight * ((row_gt >= 0) & jnp.take_along_axis(masks["valid"], slot, axis=1))
         return {
-            "mask_loss": weights.mask_weight * mask_losses.sigmoid_bce_loss(logits, truth, row_weight, divisor),
-            "dice_loss": weights.dice_weight * mask_losses.dice_loss(logits, truth, row_weight, divisor),
+            "mask_loss": weights.mask_weight * mask_losses.sigmoid_bce_per_mask(logits, truth) * row_weight,
+            "dice_loss": weights.dice_weight * mask_losses.dice_per_mask(logits, truth) * row_weight,
         }
 
-    def matched_losses(logits, boxes, targets, mask_embeddings=None, masks=None, tag=0):
+    def summed_over_masks(per_row, divisor):
+        """`mask_row_losses` of K sets `[K, B, R]` -> each set's terms `[K]`, per counted mask."""
+        return {key: mask_losses.total_over_masks(value, divisor, axis=(1, 2)) for key, value in per_row.items()}
+
+    def matched_losses(logits, boxes, targets, mask_embeddings=None, masks=None):
         """Each of the K sets `[K, B, Q, ...]` Hungarian-matched to `targets` on its own; its set loss terms `[K]`.
 
         With `mask_embeddings` `[K, B, Q, C]` (Mask DINO), the matching cost
         has the mask terms and the terms the mask losses of each set's
-        matched queries (`tag` + set index draws their points).
+        matched queries.
         """
         stopped = jax.lax.stop_gradient
         with jax.named_scope("matching"):
             extra = None
             if mask_embeddings is not None:
-                layers = jnp.arange(mask_embeddings.shape[0])
                 # One set at a time: the [B, Q, P] logits of every set at once would be K times the memory.
-                extra = jax.lax.map(lambda a: mask_cost(a[0], masks, tag + a[1]), (stopped(mask_embeddings), layers))
+                extra = jax.lax.map(lambda embeddings: mask_cost(embeddings, masks), stopped(mask_embeddings))
             gt_to_query, query_to_gt = jax.vmap(
                 lambda lg, bx, cost: matching.match_batch(
                     lg, bx, targets["labels"], targets["boxes"], targets["mask"], extra_cost=cost, **match_weights
@@ -282,12 +275,15 @@ def objective(config, model: nn.Module, num_classes: int) -> Objective:
                 slots = jnp.arange(gt_to_query.shape[-1])
                 weight = jnp.broadcast_to(targets["example_mask"][:, None], gt_to_query.shape[1:]).astype(jnp.float32)
 
-                def one_set(embeddings, matched, layer):
+                def one_set(embeddings, matched):
                     rows = jnp.take_along_axis(embeddings, jnp.maximum(matched, 0)[..., None], axis=1)
                     row_gt = jnp.where(matched >= 0, slots[None], -1)
-                    return mask_row_losses(rows, row_gt, weight, masks, targets["divisor"], tag + layer)
+                    return mask_row_losses(rows, row_gt, weight, masks)
 
-                terms.update(jax.vmap(one_set)(mask_embeddings, gt_to_query, jnp.arange(gt_to_query.shape[0])))
+                # One set at a time, as the matching: every set's [B, R, K] pool logits and their top-k at once
+                # would be K times the memory (GBs at 1024 px).
+                per_row = jax.lax.map(lambda a: one_set(*a), (mask_embeddings, gt_to_query))
+                terms.update(summed_over_masks(per_row, targets["divisor"]))
             return terms
 
     def mask_terms(matched, scale=1.0):
@@ -303,7 +299,7 @@ def objective(config, model: nn.Module, num_classes: int) -> Objective:
         mask_embeddings = None
         if with_masks:
             mask_embeddings = jnp.concatenate([outputs["mask_embeddings"], outputs["encoder_mask_embeddings"][None]])
-        matched = matched_losses(logits, boxes, targets, mask_embeddings, masks, tag=0)
+        matched = matched_losses(logits, boxes, targets, mask_embeddings, masks)
         encoder_loss = matched["cls_loss"][-1] + matched["l1_loss"][-1] + matched["giou_loss"][-1]
         if with_masks:
             encoder_loss = encoder_loss + matched["mask_loss"][-1] + matched["dice_loss"][-1]
@@ -326,14 +322,18 @@ def objective(config, model: nn.Module, num_classes: int) -> Objective:
                 outputs["denoising_logits"], outputs["denoising_boxes"]
             )
             if with_masks:  # each positive query learns its box's mask, as Mask DINO's mask denoising
-                layers = jnp.arange(outputs["denoising_mask_embeddings"].shape[0])
-                dn.update(
-                    jax.vmap(
-                        lambda embeddings, layer: mask_row_losses(
-                            embeddings, dn_to_gt, dn_weight, masks, targets["divisor"], _DENOISING_TAG + layer
-                        )
-                    )(outputs["denoising_mask_embeddings"], layers)
+                # Only positive queries have masks, and they fill at most half of the slots (each group holds
+                # n positive and n negative copies): their rows first, the other half dropped.
+                rows = jnp.argsort(dn_to_gt < 0, axis=1, stable=True)[:, : dn_to_gt.shape[1] // 2]
+                row_gt = jnp.take_along_axis(dn_to_gt, rows, axis=1)
+                row_weight = jnp.take_along_axis(dn_weight, rows, axis=1)
+                per_row = jax.lax.map(
+                    lambda embeddings: mask_row_losses(
+                        jnp.take_along_axis(embeddings, rows[..., None], axis=1), row_gt, row_weight, masks
+                    ),
+                    outputs["denoising_mask_embeddings"],
                 )
+                dn.update(summed_over_masks(per_row, targets["divisor"]))
         return {
             "cls_loss": jnp.sum(dn["cls_loss"]),
             "box_loss": jnp.sum(dn["l1_loss"]) + jnp.sum(dn["giou_loss"]),
@@ -354,7 +354,7 @@ def objective(config, model: nn.Module, num_classes: int) -> Objective:
             }
             mask_embeddings = outputs["one_to_many_mask_embeddings"]
         many = matched_losses(
-            outputs["one_to_many_logits"], outputs["one_to_many_boxes"], repeated, mask_embeddings, masks, tag=_MANY_TAG
+            outputs["one_to_many_logits"], outputs["one_to_many_boxes"], repeated, mask_embeddings, masks
         )
         scale = weights.one_to_many_weight
         return {
@@ -389,14 +389,25 @@ def objective(config, model: nn.Module, num_classes: int) -> Objective:
         masks = None
         if with_masks:
             gt_masks = mask_losses.unpack_masks(batch["masks"], outputs["pixel_embedding"].shape[2])
+            # Each image's points from (step key, image id): the same on any device or micro-batch. Every set
+            # of queries (decoder layers, encoder proposals, denoising, one-to-many) is matched at one set of
+            # uniform points and trained from one importance pool per image: the pixel embedding and the
+            # ground truth are sampled there once, not once per set (see mask_losses).
+            keys = jax.vmap(lambda image_id: jax.random.fold_in(rng, image_id))(batch["image_id"])
+            match_points = mask_losses.uniform_points(mask_losses.fold_in_keys(keys, _MASK_MATCH_TAG), mask_points)
+            pool = mask_losses.importance_point_pool(
+                mask_losses.fold_in_keys(keys, _MASK_LOSS_TAG), mask_points, **point_ratios
+            )
             masks = {
-                "gt_masks": gt_masks,
                 "valid": batch["masks_valid"] & gt_mask,
                 # Which of the image's masks a ground-truth slot is (the one-to-many branch repeats slots).
                 "gt_source": jnp.broadcast_to(jnp.arange(gt_mask.shape[1]), gt_mask.shape),
-                "pixel_embedding": outputs["pixel_embedding"],
-                # Each image's points from (step key, image id): the same on any device or micro-batch.
-                "keys": jax.vmap(lambda image_id: jax.random.fold_in(rng, image_id))(batch["image_id"]),
+                "match_embedding": jax.lax.stop_gradient(
+                    mask_losses.sample_pixel_embedding(outputs["pixel_embedding"], match_points)
+                ),
+                "match_targets": mask_losses.mask_targets_at_points(gt_masks, match_points),
+                "pool_embedding": mask_losses.sample_pixel_embedding(outputs["pixel_embedding"], pool),
+                "pool_targets": mask_losses.mask_targets_at_points(gt_masks, pool),
             }
         by_segment = {segment: segment_losses[segment](outputs, targets, masks) for segment in layout.segments}
         terms = {

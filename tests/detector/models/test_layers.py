@@ -136,3 +136,21 @@ def test_layer_norm_keeps_float32_statistics_for_bf16():
     np.testing.assert_allclose(np.asarray(out, np.float32), expected, atol=2e-2)
     grads = jax.grad(lambda x: jnp.sum(norm.apply(params, x).astype(jnp.float32) ** 2))(x)
     assert grads.dtype == jnp.float32 and bool(jnp.all(jnp.isfinite(grads)))
+
+
+def test_accelerator_convolutions_build_xlas_kernel_gradient_with_the_same_values():
+    x = jnp.asarray(np.random.default_rng(0).normal(size=(2, 8, 8, 32)), jnp.float32)
+
+    def kernel_gradient_and_hlo():
+        module = layers.conv(32, 3)
+        params = nn.unbox(module.init(jax.random.key(0), x))
+        grad = jax.jit(jax.grad(lambda p: jnp.sum(module.apply(p, x) ** 2)))
+        return grad(params)["params"]["kernel"], grad.lower(params).compile().as_text()
+
+    matmul_form, matmul_hlo = kernel_gradient_and_hlo()
+    with layers.accelerator_convolutions():
+        native, native_hlo = kernel_gradient_and_hlo()
+    assert layers.conv(32).conv_general_dilated is not None  # the CPU form again after the block
+    # The forward pass and the kernel gradient are two convolutions in XLA's form; the matmul form has one.
+    assert native_hlo.count(" convolution(") == 2 and matmul_hlo.count(" convolution(") == 1
+    np.testing.assert_allclose(native, matmul_form, rtol=1e-4, atol=1e-4)

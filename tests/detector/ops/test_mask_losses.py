@@ -299,5 +299,11 @@ def test_uncertain_points_keep_the_most_uncertain_candidates_then_fresh_points()
         jax.jit(mask_losses.mask_targets_at_mask_points)(cells, mask_points),
         np.take_along_axis(np.asarray(jax.jit(mask_losses.mask_targets_at_points)(cells, pool)), index, axis=-1),
     )
+    # A row's targets at its points straight from the pool's [B, M, K] targets, for rows trained on any of
+    # the image's masks (denoising and one-to-many rows repeat them).
+    pool_targets = np.asarray(jax.jit(mask_losses.mask_targets_at_points)(cells, pool))
+    source = np.array([[2, 0, 2], [1, 1, 0]], np.int32)
+    want = np.stack([[pool_targets[b, source[b, r], index[b, r]] for r in range(masks)] for b in range(batch)])
+    np.testing.assert_array_equal(jax.jit(mask_losses.pool_targets_of_rows)(pool_targets, source, index), want)
     with pytest.raises(ValueError, match="pool logits hold 51 points"):
         mask_losses.uncertain_points(pool_logits[..., :51], 16, ratio, importance)
