@@ -13,9 +13,11 @@ configured mesh does not, compiles larger fsdp/model splits until one fits
 and names it. The trainer runs the same accounting on its real devices and
 refuses a step that will not fit before the first step.
 
-Numbers come from XLA's CPU compiler. GPU compilers schedule and fuse
-differently, so treat the totals as estimates within tens of percent; the
-ratios between meshes are what the CPU plan measures well.
+Numbers come from XLA's CPU compiler, with convolutions built as
+accelerators run them (XLA's own, not the matmul kernel gradient a CPU
+training run uses: `layers.accelerator_convolutions`). GPU compilers
+schedule and fuse differently, so treat the totals as estimates within tens
+of percent; the ratios between meshes are what the CPU plan measures well.
 """
 
 from __future__ import annotations

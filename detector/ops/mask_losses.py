@@ -18,11 +18,21 @@ cell centres at integers. The ground-truth grid and the pixel embedding must
 therefore cover the same extent of the network image (the same stride, or
 an image size both strides divide).
 
-Matching, per image and layer (no gradient; Q queries, M ground-truth slots):
+One set of points per image for every set of queries. A detector scores
+many sets of queries per image (Mask DINO: every decoder layer, the encoder
+proposals, the denoising groups). Mask2Former draws each layer's points
+anew; here every set is matched at one set of uniform points and trained
+from one importance pool per image and step, so the pixel embedding and the
+ground truth are sampled there once, not once per set (at 1024 px, 19 sets
+and P = 112^2 the per-set samples were 9 GB of a step's peak). Each set's
+expected loss is unchanged; only the sets' random points are shared.
 
-    points = uniform_points(keys, P)                                       # [B, P, 2]
-    logits = mask_logits_at_points(query_mask_embedding, pixel_embedding, points)   # [B, Q, P]
-    targets = mask_targets_at_points(gt_masks, points)                     # [B, M, P]
+Matching (no gradient; Q queries, M ground-truth slots):
+
+    points = uniform_points(keys, P)                                       # [B, P, 2], once
+    sampled = sample_pixel_embedding(pixel_embedding, points)              # [B, P, C], once
+    targets = mask_targets_at_points(gt_masks, points)                     # [B, M, P], once
+    logits = logits_at_samples(query_mask_embedding, sampled)              # [B, Q, P], per set
     cost = w_bce * mask_bce_cost(logits, targets) + w_dice * mask_dice_cost(logits, targets)   # [B, Q, M]
 
 Importance sampling without per-mask samples of the embedding: Mask2Former
@@ -35,23 +45,25 @@ mask's fresh points, and each mask selects its P points as indices into the
 pool (`uncertain_points`). Each mask alone still sees exactly Mask2Former's
 distribution (iid uniform candidates, its own most uncertain kept, iid
 uniform fresh points), so the expected loss is unchanged; only the masks of
-one image now share their random points. The loss for one layer, with
-`matched_mask_embedding` [B, M, C] the embedding of the query matched to
-each ground-truth slot and `weights` [B, M] 1 where a slot is a matched box
-with a valid mask:
+one image now share their random points. The loss, with `rows` [B, R, C]
+the mask embeddings of the queries trained on a mask, `source` [B, R] the
+ground-truth mask each is trained on and `weights` [B, R] 1 where a row is
+a matched box with a valid mask:
 
-    pool = importance_point_pool(keys, P)                                  # [B, K, 2]
-    pool_logits = mask_logits_at_points(matched_mask_embedding, pixel_embedding, pool)   # [B, M, K]
-    index = uncertain_points(pool_logits, P)                               # [B, M, P] (no gradient)
-    logits = jnp.take_along_axis(pool_logits, index, axis=-1)             # [B, M, P], with gradient
-    targets = jnp.take_along_axis(mask_targets_at_points(gt_masks, pool), index, axis=-1)
+    pool = importance_point_pool(keys, P)                                  # [B, K, 2], once
+    pool_embedding = sample_pixel_embedding(pixel_embedding, pool)         # [B, K, C], once
+    pool_targets = mask_targets_at_points(gt_masks, pool)                  # [B, M, K], once
+    pool_logits = logits_at_samples(rows, pool_embedding)                  # [B, R, K], per set
+    index = uncertain_points(pool_logits, P)                               # [B, R, P] (no gradient)
+    logits = jnp.take_along_axis(pool_logits, index, axis=-1)             # [B, R, P], with gradient
+    targets = pool_targets_of_rows(pool_targets, source, index)           # [B, R, P]
     loss = w_bce * sigmoid_bce_loss(logits, targets, weights, num_masks) + w_dice * dice_loss(...)
 
 Randomness: the point-drawing functions take one key per image ([B] typed
 keys), which the caller derives from (config seed, step, image id) with
-`jax.random.fold_in` (`image_keys`), then per use (matching or loss,
-decoder layer) with `fold_in_keys`. An image's points therefore do not
-depend on its batch position, micro-batch or device.
+`jax.random.fold_in` (`image_keys`), then per use (matching or loss) with
+`fold_in_keys`. An image's points therefore do not depend on its batch
+position, micro-batch or device.
 """
 
 from __future__ import annotations
