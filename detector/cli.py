@@ -276,6 +276,12 @@ def run(main: Callable[[list[str]], None], *, runs_programs: bool = True) -> Non
     def guarded_main(argv: list[str]) -> None:
         try:
             main(argv)
+        except distributed.PeerLost as e:
+            if flags.FLAGS.verbose:
+                raise
+            print(f"error: {' '.join(str(e).split())}", file=sys.stderr, flush=True)
+            # sys.exit would run JAX's exit hook, which waits for the dead process and then aborts.
+            os._exit(EXIT_ERROR)
         except USER_ERRORS as e:
             if flags.FLAGS.verbose:
                 raise

@@ -431,7 +431,7 @@ def make_predicted(path: pathlib.Path) -> pathlib.Path:
         ]
         print(" ".join(command), flush=True)
         subprocess.run(command, cwd=REPO_ROOT, check=True)
-        pictures = sorted(output.glob("*.png"))
+        pictures = sorted((output / "pictures").glob("*.png"))
         if not pictures:
             raise SystemExit(f"error: detector.predict wrote no pictures to {output}")
         fig = Figure(figsize=(14, 14 / len(pictures) + 0.9), dpi=DPI, facecolor="white")

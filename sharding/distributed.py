@@ -32,6 +32,30 @@ class DistributedError(ValueError):
     """The multi-process settings are inconsistent; the message says how to fix them."""
 
 
+class PeerLost(DistributedError):
+    """Another process of the launch is gone (killed, crashed, its host lost) and this one cannot go on.
+
+    The command reports it in one line and exits at once: JAX's own shutdown
+    would wait for the dead process and then abort with a stack trace.
+    """
+
+
+# What a collective (gloo's TCP pairs) or the coordination service says when the process at the other end is gone.
+_PEER_FAILURE_MARKERS = (
+    "Gloo",
+    "Connection reset by peer",
+    "Connection closed by peer",
+    "Socket closed",
+    "heartbeat timeout",
+    "UNAVAILABLE",
+)
+
+
+def lost_peer(error: BaseException) -> bool:
+    """Whether `error`, raised by a collective of a multi-process run, means that another process is gone."""
+    return jax.process_count() > 1 and any(marker in str(error) for marker in _PEER_FAILURE_MARKERS)
+
+
 @dataclasses.dataclass(frozen=True)
 class DistributedOptions:
     """How this process joins the others.

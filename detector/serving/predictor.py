@@ -13,21 +13,17 @@ import dataclasses
 import json
 import logging
 import time
-from collections.abc import Sequence
 from typing import Any
 
-import hotcoco
 import jax
 import ml_collections
 import numpy as np
 from etils import epath
-from jax.experimental import multihost_utils
-from PIL import Image, ImageOps, UnidentifiedImageError
 
 import input_pipeline
 import sharding
 from detector.errors import ConfigError
-from detector.serving import coco_evaluation, drawing
+from detector.serving import coco_evaluation
 from detector.serving.coco_ap import MASK_STAT_NAMES
 from detector.training import checkpointing, steps
 from detector.training.run import Run, create_run
@@ -65,6 +61,11 @@ class Predictor:
 
     def __call__(self, global_batch: dict[str, jax.Array]) -> dict[str, jax.Array]:
         return self.predict(self.params, global_batch)
+
+    @property
+    def predicts_masks(self) -> bool:
+        """Whether the outputs hold `masks` (a Mask DINO's mask logits)."""
+        return "masks" in self.predict.out_info
 
     def global_batch(self, local_batch: dict[str, Any]) -> dict[str, jax.Array]:
         """This process's rows of a batch (numpy) -> the sharded global batch."""
@@ -219,46 +220,6 @@ def format_report(report: dict[str, Any]) -> str:
 # Predicting on image files.
 # ----------------------------------------------------------------------------
 
-IMAGE_SUFFIXES = (".jpg", ".jpeg", ".png", ".bmp", ".gif", ".tif", ".tiff", ".webp")
-IMAGES_FILE = "images.json"
-
-
-def find_images(inputs: Sequence[str]) -> list[epath.Path]:
-    """Image files named by `inputs` (files, or folders searched recursively), in a stable order."""
-    found: list[epath.Path] = []
-    for name in inputs:
-        path = epath.Path(name)
-        if path.is_dir():
-            found.extend(_image_files_under(path))
-        elif path.exists():
-            found.append(path)
-        else:
-            raise FileNotFoundError(f"{name} does not exist; pass image files or folders of images")
-    if not found:
-        raise FileNotFoundError(f"no images ({', '.join(IMAGE_SUFFIXES)}) in {', '.join(inputs)}")
-    return found
-
-
-def _image_files_under(directory: epath.Path) -> list[epath.Path]:
-    # iterdir rather than rglob: epath refuses recursive globs (one request per file on GCS).
-    files = []
-    for path in sorted(directory.iterdir()):
-        if path.is_dir():
-            files.extend(_image_files_under(path))
-        elif path.suffix.lower() in IMAGE_SUFFIXES:
-            files.append(path)
-    return files
-
-
-def read_image(path: epath.Path) -> np.ndarray | None:
-    """`[H, W, 3]` uint8 RGB with the EXIF rotation applied, or None (logged) when the file is not an image."""
-    try:
-        with path.open("rb") as f, Image.open(f) as image:
-            return np.asarray(ImageOps.exif_transpose(image).convert("RGB"))
-    except (UnidentifiedImageError, OSError, ValueError) as e:
-        logging.warning("skipping %s: not a readable image (%s)", path, e)
-        return None
-
 
 def network_input(image: np.ndarray, image_id: int, opts: transforms.TransformOptions) -> dict[str, np.ndarray]:
     """The eval transform of one image (resize to fit, round, pad): one example of the batch layout, as numpy.
@@ -276,92 +237,3 @@ def network_input(image: np.ndarray, image_id: int, opts: transforms.TransformOp
     }
     transformed = transforms.eval_transform(example, opts)
     return {key: np.asarray(transformed[key]) for key in batch_layout.KEYS}
-
-
-def predict_images(predictor: Predictor, inputs: Sequence[str], output: str) -> list[dict[str, Any]] | None:
-    """Predicts every image of `inputs`; process 0 writes OUTPUT and returns the COCO results (None elsewhere).
-
-    Works through one global batch at a time, so memory does not grow with the
-    number of images. Image ids are positions in the sorted input list.
-    """
-    paths = find_images(inputs)
-    opts = transforms.TransformOptions.from_config(predictor.config)
-    info = predictor.dataset_info
-    is_primary = jax.process_index() == 0
-    output_dir = epath.Path(output)
-    global_size = predictor.batch_size
-    local_rows = range(
-        predictor.first_row(), predictor.first_row() + global_size // jax.device_count() * jax.local_device_count()
-    )
-    blank = batch_layout.empty_example(predictor.config.input.image_size, predictor.config.input.max_boxes)
-    pictures = dict(zip(range(len(paths)), _picture_names(paths)))
-    label_of_category = {int(c): label for label, c in enumerate(info.label_to_category_id)}
-    results: list[dict[str, Any]] = []
-    entries: list[dict[str, Any]] = []
-    start = time.perf_counter()
-    num_batches = -(-len(paths) // global_size)
-    for batch_index in track(
-        range(num_batches), "predict", num_batches, unit="batches", log_every_s=10.0, enabled=is_primary
-    ):
-        first = batch_index * global_size
-        images = {i: read_image(paths[i]) for i in (first + row for row in local_rows) if i < len(paths)}
-        rows = [
-            network_input(images[i], i, opts) if images.get(i) is not None else blank
-            for i in (first + row for row in local_rows)
-        ]
-        local_batch = {k: np.stack([row[k] for row in rows]) for k in blank}
-        outputs = predictor(predictor.global_batch(local_batch))
-        # Every process takes part in the gather; process 0 writes.
-        outputs = multihost_utils.process_allgather(outputs, tiled=True)
-        if not is_primary:
-            continue
-        detections = coco_evaluation.detections_to_coco(outputs, info.label_to_category_id)
-        results.extend(detections)
-        for image_id, (height, width) in zip(
-            outputs["image_id"][outputs["example_mask"]], outputs["original_size"][outputs["example_mask"]]
-        ):
-            image_id = int(image_id)
-            entries.append(
-                {"id": image_id, "file_name": str(paths[image_id]), "height": int(height), "width": int(width)}
-            )
-            mine = [d for d in detections if d["image_id"] == image_id]
-            boxes_yxyx = np.array(
-                [[y, x, y + h, x + w] for x, y, w, h in (d["bbox"] for d in mine)], np.float32
-            ).reshape(-1, 4)
-            image = images[image_id] if image_id in images else read_image(paths[image_id])
-            instance_masks = None
-            if mine and "segmentation" in mine[0]:
-                decoded = np.asarray(hotcoco.mask.decode([d["segmentation"] for d in mine]), bool)
-                instance_masks = np.moveaxis(decoded.reshape(int(height), int(width), len(mine)), -1, 0)
-            picture = drawing.draw_detections(
-                image,
-                boxes_yxyx,
-                np.array([label_of_category[d["category_id"]] for d in mine], np.int32),
-                np.array([d["score"] for d in mine], np.float32),
-                info.class_names,
-                masks=instance_masks,
-            )
-            drawing.save_png(picture, output_dir / pictures[image_id])
-    if not is_primary:
-        return None
-    output_dir.mkdir(parents=True, exist_ok=True)
-    (output_dir / DETECTIONS_FILE).write_text(json.dumps(results))
-    (output_dir / IMAGES_FILE).write_text(json.dumps(entries, indent=1))
-    logging.info(
-        "predicted %d images (%d unreadable, skipped) in %.1fs: %d detections with score >= %.2f; wrote %s",
-        len(entries),
-        len(paths) - len(entries),
-        time.perf_counter() - start,
-        len(results),
-        predictor.config.postprocess.score_threshold,
-        output_dir,
-    )
-    return results
-
-
-def _picture_names(paths: Sequence[epath.Path]) -> list[str]:
-    """`NAME.png` per input; `NAME_ID.png` (ID: the image id) where inputs share a name (a.jpg, a.png, x/a.jpg)."""
-    stems = [path.stem for path in paths]
-    return [
-        f"{stem}.png" if stems.count(stem) == 1 else f"{stem}_{image_id}.png" for image_id, stem in enumerate(stems)
-    ]

@@ -23,9 +23,9 @@ from pycocotools.coco import COCO
 from pycocotools.cocoeval import COCOeval
 
 import input_pipeline
-from detector.serving import coco_evaluation, drawing
+from detector.serving import bulk_prediction, coco_evaluation, drawing, image_sources
 from detector.serving import predictor as predictor_lib
-from detector.serving.predictor import load_predictor, predict_images
+from detector.serving.predictor import load_predictor
 from tests.helpers import REPO_ROOT
 from tests.helpers.tiny_config import as_flags, make_config
 
@@ -100,22 +100,33 @@ def test_predict_writes_coco_results_and_draws_the_boxes(reference_run, data_dir
     config = low_threshold_config(data_dir, threshold=0.0)
     config.postprocess.max_detections = 5
     predictor = load_predictor(config, str(reference_run.workdir), "last")
-    results = predict_images(predictor, [str(photo_folder)], str(tmp_path))
-
+    summary = bulk_prediction.predict(
+        predictor,
+        str(tmp_path),
+        inputs=[str(photo_folder)],
+        workdir=str(reference_run.workdir),
+        checkpoint="last",
+        coco_results=True,
+    )
+    assert (summary.images, summary.unreadable, summary.detections) == (4, 1, 15)
     images = json.loads((tmp_path / "images.json").read_text())
     assert [(pathlib.Path(e["file_name"]).name, e["height"], e["width"]) for e in images] == [
         ("gray.png", 64, 64),
         ("tall.jpg", 120, 90),
         ("wide.png", 48, 160),
-    ]  # broken.jpg skipped
-    assert json.loads((tmp_path / "detections.json").read_text()) == results
+    ]  # broken.jpg is listed in the shards with its error, not among the COCO images
+    rows = bulk_prediction.read_merged(str(tmp_path)).to_pylist()
+    assert [pathlib.Path(r["file"]).name for r in rows] == ["broken.jpg", "gray.png", "tall.jpg", "wide.png"]
+    assert rows[0]["error"] and rows[0]["scores"] == [] and all(r["error"] is None for r in rows[1:])
+    results = json.loads((tmp_path / "detections.json").read_text())
     assert {d["image_id"] for d in results} == {e["id"] for e in images}
     assert all(sum(d["image_id"] == e["id"] for d in results) == 5 for e in images)  # max_detections
 
     # The picture of the wide image: its best box outlined in its class's colour, at original size.
     wide = next(e for e in images if e["file_name"].endswith("wide.png"))
-    picture = np.asarray(Image.open(tmp_path / "wide.png").convert("RGB"))
+    picture = np.asarray(Image.open(tmp_path / "pictures" / "wide.png").convert("RGB"))
     assert picture.shape == (48, 160, 3)
+    assert sorted(os.listdir(tmp_path / "pictures")) == ["gray.png", "tall.png", "wide.png"]
     best = max((d for d in results if d["image_id"] == wide["id"]), key=lambda d: d["score"])
     label = predictor.dataset_info.label_to_category_id.index(best["category_id"])
     x, y, w, h = best["bbox"]
@@ -125,6 +136,76 @@ def test_predict_writes_coco_results_and_draws_the_boxes(reference_run, data_dir
     assert edges.shape[0] > 2
     matches = np.all(edges == drawing.class_color(label), axis=-1)
     assert matches.mean() > 0.5, (best, edges)
+
+
+def test_predicting_the_eval_split_gives_the_evaluations_detections(reference_run, data_dir, tmp_path):
+    """The split's rows carry the dataset's ids, so its COCO results are what evaluation scored."""
+    config = low_threshold_config(data_dir)
+    evaluation = tmp_path / "evaluation"
+    predictor_lib.evaluate_workdir(config, str(reference_run.workdir), "last", str(evaluation))
+    predictor = load_predictor(config, str(reference_run.workdir), "last")
+    output = tmp_path / "predicted"
+    bulk_prediction.predict(
+        predictor,
+        str(output),
+        split_source=lambda: image_sources.SplitImages(input_pipeline.prepare_split(config, "eval"), "eval"),
+        workdir=str(reference_run.workdir),
+        checkpoint="last",
+        coco_results=True,
+        pictures=0,
+    )
+
+    def key(d):
+        return (d["image_id"], d["category_id"], d["score"], tuple(d["bbox"]))
+
+    predicted = sorted(json.loads((output / "detections.json").read_text()), key=key)
+    evaluated = sorted(json.loads((evaluation / predictor_lib.DETECTIONS_FILE).read_text()), key=key)
+    assert len(predicted) == len(evaluated) > 0
+    for a, b in zip(predicted, evaluated, strict=True):
+        assert (a["image_id"], a["category_id"]) == (b["image_id"], b["category_id"])
+        np.testing.assert_allclose(a["bbox"], b["bbox"], atol=2e-3)
+        assert a["score"] == pytest.approx(b["score"], abs=1e-5)
+    assert not os.path.exists(output / "pictures")
+
+
+def test_a_stopped_run_resumes_where_its_commits_end(reference_run, data_dir, photo_folder, tmp_path):
+    """A run that stops after its first committed batch (its later rows never committed) and the same command
+    again: each image once, as one uninterrupted run writes them."""
+    config = low_threshold_config(data_dir, threshold=0.0)
+    predictor = load_predictor(config, str(reference_run.workdir), "last", batch_size=8)
+    many = tmp_path / "many"
+    many.mkdir()
+    for i in range(20):  # 20 images in batches of 8: 3 batches
+        (many / f"{i:02d}.png").symlink_to(photo_folder / "wide.png")
+    common = dict(inputs=[str(many)], workdir=str(reference_run.workdir), checkpoint="last", pictures=0)
+    whole = bulk_prediction.predict(predictor, str(tmp_path / "whole"), **common)
+
+    class Stop(Exception):
+        pass
+
+    real_add = bulk_prediction.ShardWriter.add
+
+    def add_then_stop(writer, table, batch_index):
+        real_add(writer, table, batch_index)
+        if batch_index == 0:
+            writer.commit()
+        elif batch_index == 1:
+            raise Stop  # batch 1 added, never committed
+
+    bulk_prediction.ShardWriter.add = add_then_stop
+    try:
+        with pytest.raises(Stop):
+            bulk_prediction.predict(predictor, str(tmp_path / "resumed"), **common)
+    finally:
+        bulk_prediction.ShardWriter.add = real_add
+    manifest = json.loads(next((tmp_path / "resumed" / "manifests").glob("*.json")).read_text())
+    assert manifest["next_batch"] == 1
+    resumed = bulk_prediction.predict(predictor, str(tmp_path / "resumed"), **common)
+    assert resumed.images == whole.images == 20 and len(resumed.parts) == 2
+    assert (
+        bulk_prediction.read_merged(str(tmp_path / "resumed")).to_pylist()
+        == bulk_prediction.read_merged(str(tmp_path / "whole")).to_pylist()
+    )
 
 
 def test_evaluate_command_prints_the_tables(reference_run, data_dir, tmp_path):

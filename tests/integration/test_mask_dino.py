@@ -16,7 +16,7 @@ from PIL import Image
 
 import input_pipeline
 from detector.loop import trainer
-from detector.serving import artifact, coco_evaluation
+from detector.serving import artifact, bulk_prediction, coco_evaluation
 from detector.serving import predictor as predictor_lib
 from detector.serving.coco_ap import RleMasks
 from detector.training import checkpointing
@@ -131,14 +131,25 @@ def test_predict_writes_each_mask_as_rle_and_draws_it(mask_run, data_dir, tmp_pa
     config = make_dino_config(data_dir, **MASKS, **PREDICT)
     predictor = predictor_lib.load_predictor(config, str(mask_run.workdir), "last")
     paths = write_images(tmp_path / "photos")
-    results = predictor_lib.predict_images(predictor, [str(tmp_path / "photos")], str(tmp_path / "out"))
-    assert json.loads((tmp_path / "out" / "detections.json").read_text()) == results
-    assert len(results) == 5 * len(paths)
+    out = tmp_path / "out"
+    bulk_prediction.predict(
+        predictor,
+        str(out),
+        inputs=[str(tmp_path / "photos")],
+        workdir=str(mask_run.workdir),
+        checkpoint="last",
+        coco_results=True,
+    )
+    results = json.loads((out / "detections.json").read_text())
+    rows = bulk_prediction.read_merged(str(out)).to_pylist()
+    assert len(results) == 5 * len(paths) and [len(r["masks_rle"]) for r in rows] == [5] * len(paths)
     for image_id, (height, width) in enumerate(IMAGE_SIZES):
         mine = [d for d in results if d["image_id"] == image_id]
         assert all(d["segmentation"]["size"] == [height, width] for d in mine)
+        # The shard's RLE strings are the results file's.
+        assert [d["segmentation"]["counts"] for d in mine] == rows[image_id]["masks_rle"]
         masks = decode(d["segmentation"] for d in mine)
-        picture = np.asarray(Image.open(tmp_path / "out" / f"image_{image_id}.png").convert("RGB"))
+        picture = np.asarray(Image.open(out / "pictures" / f"image_{image_id}.png").convert("RGB"))
         original = np.asarray(Image.open(paths[image_id]).convert("RGB"))
         # Every mask pixel is tinted (a fill changes every pixel it covers, the 0.45 blend of two different
         # colours), outside all masks and boxes' outlines and tags the photo is untouched.
