@@ -15,10 +15,7 @@ import pathlib
 import re
 import shutil
 import signal
-import subprocess
 import sys
-import threading
-import time
 
 import jax
 import numpy as np
@@ -26,8 +23,7 @@ import orbax.checkpoint as ocp
 import pytest
 
 from detector.training import checkpointing
-from tests.helpers import REPO_ROOT
-from tests.helpers.processes import free_port
+from tests.helpers.processes import start_processes
 from tests.helpers.runs import checkpoint_steps, flat, once_per_run, read_jsonl
 from tests.helpers.tiny_config import as_flags, make_config
 
@@ -53,73 +49,6 @@ RUN = {
 LOSS_KEYS = ("loss", "cls_loss", "box_loss", "grad_norm", "learning_rate")
 
 
-def _env(devices: int, cache_dir: pathlib.Path) -> dict[str, str]:
-    """This test process's environment with `devices` fake CPU devices and the shared compilation cache."""
-    xla_flags = [f for f in os.environ.get("XLA_FLAGS", "").split() if "device_count" not in f]
-    return {
-        **os.environ,
-        "PYTHONPATH": str(REPO_ROOT),
-        "JAX_PLATFORMS": "cpu",
-        "XLA_FLAGS": " ".join(xla_flags + [f"--xla_force_host_platform_device_count={devices}"]),
-        "JAX_COMPILATION_CACHE_DIR": str(cache_dir),
-        "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0",
-        "JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES": "0",
-    }
-
-
-class Process:
-    """A subprocess whose output is read as it comes, so a test can act when a given line appears."""
-
-    def __init__(self, command: list[str], env: dict[str, str]):
-        self.command = command
-        self.popen = subprocess.Popen(
-            command, cwd=REPO_ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
-        )
-        self.lines: list[str] = []
-        self._new_line = threading.Condition()
-        self._reader = threading.Thread(target=self._read, daemon=True)
-        self._reader.start()
-
-    def _read(self) -> None:
-        for line in self.popen.stdout:
-            with self._new_line:
-                self.lines.append(line)
-                self._new_line.notify_all()
-        with self._new_line:
-            self._new_line.notify_all()
-
-    @property
-    def output(self) -> str:
-        return "".join(self.lines)
-
-    def wait_for(self, pattern: str, timeout: float = 240) -> re.Match:
-        """Blocks until a line matches `pattern`; fails if the process ends or the time runs out first."""
-        deadline = time.monotonic() + timeout
-        seen = 0
-        with self._new_line:
-            while True:
-                for line in self.lines[seen:]:
-                    if match := re.search(pattern, line):
-                        return match
-                seen = len(self.lines)
-                if not self._reader.is_alive() or time.monotonic() > deadline:
-                    self.popen.kill()
-                    pytest.fail(f"no line matched {pattern!r} (exit code {self.popen.poll()}):\n{self.output[-4000:]}")
-                self._new_line.wait(timeout=1.0)
-
-    def finish(self, timeout: float = 300) -> int:
-        try:
-            self.popen.wait(timeout=timeout)
-        except subprocess.TimeoutExpired:
-            self.popen.kill()
-            pytest.fail(f"still running after {timeout}s:\n{self.output[-4000:]}")
-        self._reader.join(timeout=10)
-        return self.popen.returncode
-
-    def kill(self, signum: int) -> None:
-        self.popen.send_signal(signum)
-
-
 def train_command(data_dir, workdir, **overrides) -> list[str]:
     return [
         sys.executable,
@@ -128,20 +57,6 @@ def train_command(data_dir, workdir, **overrides) -> list[str]:
         "--config=configs/default.py",
         f"--workdir={workdir}",
         *as_flags(data_dir, **{**RUN, **overrides}),
-    ]
-
-
-def start_processes(command: list[str], num_processes: int, devices: int, cache_dir) -> list[Process]:
-    """`num_processes` processes of `command` joined over 127.0.0.1, as scripts/launch_local.sh starts them."""
-    if num_processes == 1:
-        return [Process(command, _env(devices, cache_dir))]
-    address = f"127.0.0.1:{free_port()}"
-    return [
-        Process(
-            command + [f"--coordinator_address={address}", f"--num_processes={num_processes}", f"--process_id={i}"],
-            _env(devices, cache_dir),
-        )
-        for i in range(num_processes)
     ]
 
 
