@@ -18,7 +18,12 @@ def non_max_suppression(boxes_yxyx, scores, iou_threshold: float, max_output_siz
     exceeds ``iou_threshold``. Boxes with score ``-inf`` are never kept, which
     is how callers drop candidates without changing shapes.
 
-    Cost: one ``[K, K]`` IoU matrix plus a K-step sequential loop of O(K) work.
+    Cost: one ``[K, K]`` IoU matrix plus a ``max_output_size``-step
+    sequential loop of O(K) work: each step keeps the best box not yet
+    suppressed and suppresses what it overlaps, which is greedy NMS's
+    selection read in the order it is made (100 steps for 1000 candidates
+    where visiting every candidate takes 1000, and what an exported program
+    unrolls).
 
     Args:
         boxes_yxyx: float ``[K, 4]`` boxes in pixels.
@@ -48,21 +53,21 @@ def non_max_suppression(boxes_yxyx, scores, iou_threshold: float, max_output_siz
         sorted_classes = jnp.asarray(classes)[order]
         overlaps = overlaps & (sorted_classes[:, None] == sorted_classes[None, :])
 
-    def body(i, keep):
-        # keep[j] for j > i still means "not suppressed so far"; position i is
-        # final once every earlier box has been visited.
-        keep_i = keep[i]
-        suppress = overlaps[i] & (jnp.arange(num_boxes) > i) & keep_i
-        return keep & ~suppress
+    slots = jnp.arange(max_output_size)
+    # A rank that falls with the sorted position: the best remaining box is its argmax.
+    rank = num_boxes - jnp.arange(num_boxes)
 
-    keep = jax.lax.fori_loop(0, num_boxes, body, candidate)
-    # The kept positions in order, as top-k of a rank that falls with the
-    # position (0 for the dropped): what jnp.nonzero(size=) gives, without its
-    # scatter (which ONNX converters do not take).
-    slots = min(max_output_size, num_boxes)
-    _, kept_pos = jax.lax.top_k(jnp.where(keep, num_boxes - jnp.arange(num_boxes), 0), slots)
-    kept_pos = jnp.pad(kept_pos, (0, max_output_size - slots))
-    valid = jnp.arange(max_output_size) < jnp.sum(keep)
+    def body(slot, state):
+        remaining, kept_pos, valid = state
+        best = jnp.argmax(jnp.where(remaining, rank, 0))
+        found = remaining[best]
+        kept_pos = jnp.where(slots == slot, jnp.where(found, best, 0), kept_pos)
+        valid = valid | ((slots == slot) & found)
+        remaining = remaining & ~overlaps[best] & (jnp.arange(num_boxes) != best)
+        return remaining, kept_pos, valid
+
+    init = (candidate, jnp.zeros((max_output_size,), jnp.int32), jnp.zeros((max_output_size,), bool))
+    _, kept_pos, valid = jax.lax.fori_loop(0, max_output_size, body, init)
     indices = jnp.where(valid, order[kept_pos], 0).astype(jnp.int32)
     return indices, valid
 
