@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from detector.serving import bulk_prediction
+from detector.serving import prediction_shards
 from tests.helpers.processes import start_processes
 from tests.helpers.tiny_config import as_flags
 
@@ -68,7 +68,7 @@ def test_a_killed_process_stops_its_peer_in_one_line_and_the_command_again_finis
     output = tmp_path / "killed"
     command = predict_command(reference_run, data_dir, many_images, output)
     runs = start_processes(command, 2, 1, cache)
-    manifest = output / bulk_prediction.MANIFESTS_DIR / f"{bulk_prediction.shard_name(1, 2)}.json"
+    manifest = output / prediction_shards.MANIFESTS_DIR / f"{prediction_shards.shard_name(1, 2)}.json"
     deadline = time.monotonic() + 240
     while not manifest.exists():  # process 1 has committed rows: mid-run
         assert time.monotonic() < deadline and runs[1].popen.poll() is None, runs[1].output[-3000:]
@@ -83,14 +83,14 @@ def test_a_killed_process_stops_its_peer_in_one_line_and_the_command_again_finis
     errors = [line for line in survivor.splitlines() if line.startswith("error:")]
     assert len(errors) == 1 and "another process of this launch stopped" in errors[0], survivor[-3000:]
     assert "Traceback" not in survivor and "Check failure" not in survivor, survivor[-3000:]
-    assert not (output / bulk_prediction.MERGED_FILE).exists()
+    assert not (output / prediction_shards.MERGED_FILE).exists()
 
     again = start_processes(command, 2, 1, cache)
     for run in again:
         assert run.finish() == 0, run.output[-3000:]
     assert any("resuming" in line for line in again[0].lines), again[0].output[-3000:]
-    got = bulk_prediction.read_merged(str(output)).to_pylist()
-    want = bulk_prediction.read_merged(str(reference)).to_pylist()
+    got = prediction_shards.read_merged(str(output)).to_pylist()
+    want = prediction_shards.read_merged(str(reference)).to_pylist()
     assert sorted(row["image_id"] for row in got) == list(range(IMAGES))  # each image exactly once
     got.sort(key=lambda row: row["image_id"])
     assert [row["file"] for row in got] == [row["file"] for row in want]

@@ -23,7 +23,7 @@ from pycocotools.coco import COCO
 from pycocotools.cocoeval import COCOeval
 
 import input_pipeline
-from detector.serving import bulk_prediction, coco_evaluation, drawing, image_sources
+from detector.serving import bulk_prediction, coco_evaluation, drawing, image_sources, prediction_shards
 from detector.serving import predictor as predictor_lib
 from detector.serving.predictor import load_predictor
 from tests.helpers import REPO_ROOT
@@ -115,7 +115,7 @@ def test_predict_writes_coco_results_and_draws_the_boxes(reference_run, data_dir
         ("tall.jpg", 120, 90),
         ("wide.png", 48, 160),
     ]  # broken.jpg is listed in the shards with its error, not among the COCO images
-    rows = bulk_prediction.read_merged(str(tmp_path)).to_pylist()
+    rows = prediction_shards.read_merged(str(tmp_path)).to_pylist()
     assert [pathlib.Path(r["file"]).name for r in rows] == ["broken.jpg", "gray.png", "tall.jpg", "wide.png"]
     assert rows[0]["error"] and rows[0]["scores"] == [] and all(r["error"] is None for r in rows[1:])
     results = json.loads((tmp_path / "detections.json").read_text())
@@ -183,7 +183,7 @@ def test_a_stopped_run_resumes_where_its_commits_end(reference_run, data_dir, ph
     class Stop(Exception):
         pass
 
-    real_add = bulk_prediction.ShardWriter.add
+    real_add = prediction_shards.ShardWriter.add
 
     def add_then_stop(writer, table, batch_index):
         real_add(writer, table, batch_index)
@@ -192,19 +192,19 @@ def test_a_stopped_run_resumes_where_its_commits_end(reference_run, data_dir, ph
         elif batch_index == 1:
             raise Stop  # batch 1 added, never committed
 
-    bulk_prediction.ShardWriter.add = add_then_stop
+    prediction_shards.ShardWriter.add = add_then_stop
     try:
         with pytest.raises(Stop):
             bulk_prediction.predict(predictor, str(tmp_path / "resumed"), **common)
     finally:
-        bulk_prediction.ShardWriter.add = real_add
+        prediction_shards.ShardWriter.add = real_add
     manifest = json.loads(next((tmp_path / "resumed" / "manifests").glob("*.json")).read_text())
     assert manifest["next_batch"] == 1
     resumed = bulk_prediction.predict(predictor, str(tmp_path / "resumed"), **common)
     assert resumed.images == whole.images == 20 and len(resumed.parts) == 2
     assert (
-        bulk_prediction.read_merged(str(tmp_path / "resumed")).to_pylist()
-        == bulk_prediction.read_merged(str(tmp_path / "whole")).to_pylist()
+        prediction_shards.read_merged(str(tmp_path / "resumed")).to_pylist()
+        == prediction_shards.read_merged(str(tmp_path / "whole")).to_pylist()
     )
 
 

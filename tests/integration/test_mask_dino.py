@@ -16,7 +16,7 @@ from PIL import Image
 
 import input_pipeline
 from detector.loop import trainer
-from detector.serving import artifact, bulk_prediction, coco_evaluation
+from detector.serving import artifact, bulk_prediction, coco_evaluation, prediction_shards
 from detector.serving import predictor as predictor_lib
 from detector.serving.coco_ap import RleMasks
 from detector.training import checkpointing
@@ -141,7 +141,7 @@ def test_predict_writes_each_mask_as_rle_and_draws_it(mask_run, data_dir, tmp_pa
         coco_results=True,
     )
     results = json.loads((out / "detections.json").read_text())
-    rows = bulk_prediction.read_merged(str(out)).to_pylist()
+    rows = prediction_shards.read_merged(str(out)).to_pylist()
     assert len(results) == 5 * len(paths) and [len(r["masks_rle"]) for r in rows] == [5] * len(paths)
     for image_id, (height, width) in enumerate(IMAGE_SIZES):
         mine = [d for d in results if d["image_id"] == image_id]
