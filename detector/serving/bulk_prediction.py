@@ -270,13 +270,13 @@ def _read_batch(
     )
 
 
-def _prefetched(batches: Iterator[Callable[[], BatchImages]], depth: int) -> Iterator[BatchImages]:
-    """Runs each batch's reading `depth` batches ahead in a thread, so decoding overlaps the device."""
+def _prefetched(batches: Iterator[Callable[[], BatchImages]], batches_ahead: int) -> Iterator[BatchImages]:
+    """Runs each batch's reading `batches_ahead` batches ahead in a thread, so decoding overlaps the device."""
     with concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="predict-read") as reader:
         pending: collections.deque = collections.deque()
         for make in batches:
             pending.append(reader.submit(make))
-            if len(pending) > depth:
+            if len(pending) > batches_ahead:
                 yield pending.popleft().result()
         while pending:
             yield pending.popleft().result()
@@ -340,7 +340,9 @@ def predict_to_output(
                 enabled=process == 0,
                 initial=min(start * global_size, len(source)),
             ) as progress:
-                for batch_index, images in zip(range(start, num_batches), _prefetched(work, depth=2), strict=True):
+                for batch_index, images in zip(
+                    range(start, num_batches), _prefetched(work, batches_ahead=2), strict=True
+                ):
                     if processes > 1:
                         # A predict program may hold no collective at all: this one notices a dead peer at once.
                         multihost_utils.process_allgather(np.int32(batch_index))
