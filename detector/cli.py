@@ -19,7 +19,7 @@ from absl import app, flags, logging
 from ml_collections import config_flags
 
 from detector import compilation_cache
-from detector.errors import ConfigError, TrainingError, WeightsFileError
+from detector.errors import ConfigError, OutputError, TrainingError, WeightsFileError
 from input_pipeline import DatasetError
 from sharding import MeshError, distributed
 from sharding.distributed import DistributedError
@@ -39,6 +39,7 @@ USER_ERRORS = (
     DatasetError,
     DistributedError,
     MeshError,
+    OutputError,
     TrainingError,
     WeightsFileError,
     FileNotFoundError,

@@ -11,3 +11,7 @@ class TrainingError(RuntimeError):
 
 class WeightsFileError(ValueError):
     """A pretrained weights file cannot be read or does not fit the model; the message says which tensors and why."""
+
+
+class OutputError(RuntimeError):
+    """Results cannot be written (a full disk, a read-only folder); the message says what is kept and what to do."""

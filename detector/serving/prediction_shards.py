@@ -39,7 +39,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
-from detector.errors import ConfigError
+from detector.errors import ConfigError, OutputError
 from detector.serving import image_sources
 from detector.serving.coco_evaluation import Predictions
 
@@ -190,6 +190,8 @@ class ShardWriter:
         os.makedirs(os.path.dirname(self.manifest_path), exist_ok=True)
         self.parts: list[dict[str, Any]] = []
         self.next_batch = 0
+        # Where the rows on disk end: next_batch runs ahead of it by the rows held for the next commit.
+        self.committed_batch = 0
         if os.path.exists(self.manifest_path):
             try:
                 with open(self.manifest_path) as f:
@@ -199,11 +201,10 @@ class ShardWriter:
                 raise ConfigError(
                     f"the manifest {self.manifest_path} cannot be read ({e}); delete {output} to predict again"
                 ) from e
+        self.committed_batch = self.next_batch
         self._keep_committed()
         self._pending: list[pa.Table] = []
         self._pending_first_batch = self.next_batch
-        # Where the rows on disk end: next_batch runs ahead of it by the rows held for the next commit.
-        self.committed_batch = self.next_batch
 
     def _keep_committed(self) -> None:
         """Deletes what the manifest does not name; a committed part of another length is cut, with what follows."""
@@ -219,6 +220,7 @@ class ShardWriter:
                     part["first_batch"],
                 )
                 self.parts, self.next_batch = self.parts[:index], int(part["first_batch"])
+                self.committed_batch = self.next_batch
                 self._write_manifest()
                 break
         committed = {part["file"] for part in self.parts}
@@ -250,12 +252,17 @@ class ShardWriter:
         table = pa.concat_tables(self._pending)
         name = f"part-{self._pending_first_batch:09d}.parquet"
         path = os.path.join(self.directory, name)
-        with open(f"{path}.tmp", "wb") as f:
-            pq.write_table(table, f, compression="zstd")
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(f"{path}.tmp", path)
-        _sync_directory(self.directory)
+        try:
+            with open(f"{path}.tmp", "wb") as f:
+                pq.write_table(table, f, compression="zstd")
+                f.flush()
+                os.fsync(f.fileno())
+            os.replace(f"{path}.tmp", path)
+            _sync_directory(self.directory)
+        except OSError as e:
+            if os.path.exists(f"{path}.tmp"):
+                os.remove(f"{path}.tmp")
+            raise self._cannot_write(path, e) from e
         errors = table.column("error")
         self.parts.append(
             {
@@ -273,7 +280,20 @@ class ShardWriter:
         self.committed_batch = self.next_batch
 
     def _write_manifest(self) -> None:
-        write_atomically(self.manifest_path, json.dumps({"next_batch": self.next_batch, "parts": self.parts}, indent=1))
+        try:
+            write_atomically(
+                self.manifest_path, json.dumps({"next_batch": self.next_batch, "parts": self.parts}, indent=1)
+            )
+        except OSError as e:
+            raise self._cannot_write(self.manifest_path, e) from e
+
+    def _cannot_write(self, path: str, error: OSError) -> OutputError:
+        """The one line a failed commit ends the run with; the manifest on disk still names what is kept."""
+        return OutputError(
+            f"cannot write {path} ({error.strerror or error}); this process's rows of the first "
+            f"{self.committed_batch} batches stay committed: free space (or fix the folder) and rerun the same "
+            "command to resume"
+        )
 
 
 # ----------------------------------------------------------------------------

@@ -69,3 +69,46 @@ def test_pictures_default_to_all_of_a_small_run_and_a_few_of_a_large_one():
 
 def test_picture_names_add_the_id_where_names_repeat():
     assert bulk_prediction.picture_names(ListSource(), 3) == {0: "x_100.png", 1: "x_101.png", 2: "y.png"}
+
+
+HOLD_LOCK = """
+import sys, time
+from input_pipeline import file_lock
+lock = file_lock.FileLock(sys.argv[1], wait=False).acquire()
+print("held", flush=True)
+time.sleep(60)
+"""
+
+
+def test_a_second_run_on_the_same_output_is_refused_while_the_first_holds_it(tmp_path):
+    """Another process (a real one) holds OUTPUT's lock: the second command stops with one line, writing nothing."""
+    import subprocess
+    import sys
+
+    from PIL import Image
+
+    from tests.helpers import REPO_ROOT
+
+    photos = tmp_path / "photos"
+    photos.mkdir()
+    Image.fromarray(np.zeros((8, 8, 3), np.uint8)).save(photos / "a.png")
+    output = tmp_path / "out"
+    output.mkdir()
+    holder = subprocess.Popen(
+        [sys.executable, "-c", HOLD_LOCK, str(output / bulk_prediction.LOCK_FILE)],
+        cwd=REPO_ROOT,
+        env={**os.environ, "PYTHONPATH": str(REPO_ROOT)},
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        assert holder.stdout.readline().strip() == "held"
+        with pytest.raises(ConfigError, match=r"--output=.* is in use by .*pid.*; wait for it to finish"):
+            bulk_prediction.open_output(str(output), lambda source: RECORD, inputs=[str(photos)])
+        assert sorted(os.listdir(output)) == [bulk_prediction.LOCK_FILE]
+    finally:
+        holder.kill()
+        holder.wait()
+    source, record, lock = bulk_prediction.open_output(str(output), lambda source: RECORD, inputs=[str(photos)])
+    lock.release()
+    assert len(source) == 1 and record == RECORD

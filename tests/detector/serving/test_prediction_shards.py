@@ -4,10 +4,11 @@ import json
 import os
 
 import numpy as np
+import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from detector.errors import ConfigError
+from detector.errors import ConfigError, OutputError
 from detector.serving import prediction_shards
 from detector.serving.coco_ap import CocoDetections, RleMasks
 from detector.serving.coco_evaluation import Predictions
@@ -177,3 +178,31 @@ def test_coco_results_are_streamed_from_the_parts(tmp_path):
     merged = json.loads((tmp_path / prediction_shards.MERGED_FILE).read_text())
     assert (merged["images"], merged["unreadable"], merged["detections"]) == (3, 1, 3)
     assert pq.read_table(tmp_path / merged["parts"][0]["file"]).num_rows == 3
+
+
+def test_a_full_disk_is_one_line_and_keeps_the_committed_parts(tmp_path):
+    """A real 256 KB tmpfs: the first part fits, the second does not."""
+    from tests.integration.test_full_disk import mounted_tmpfs
+
+    source = ListSource(100_000)
+    with mounted_tmpfs(tmp_path / "small", "256k") as disk:
+        writer = ShardWriter(str(disk), 0, 1, with_masks=False)
+        commit_batches(writer, source, [0])
+        writer.commit()
+        committed = json.loads(open(writer.manifest_path).read())
+        # Incompressible rows: file names of random digits, many images.
+        rng = np.random.default_rng(0)
+        positions = list(range(2, 20_002))
+        images = batch(positions)
+        table = prediction_shards.image_table(source, images, predictions([(100 + p, 0) for p in positions]), False)
+        table = table.set_column(1, "file", pa.array([f"/{rng.integers(1 << 62)}/{p}.jpg" for p in positions]))
+        writer.add(table, 1)
+        with pytest.raises(
+            OutputError,
+            match=r"cannot write .*part-000000001.parquet \(No space left on device\); .* "
+            r"first 1 batches stay committed: free space .* rerun the same command",
+        ):
+            writer.commit()
+        assert json.loads(open(writer.manifest_path).read()) == committed
+        assert os.listdir(writer.directory) == [committed["parts"][0]["file"]]  # no half-written part left
+        assert ShardWriter(str(disk), 0, 1, with_masks=False).next_batch == 1
