@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import functools
 import json
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -49,12 +50,19 @@ PLATFORMS = ("cpu", "cuda")
 OUTPUT_NAMES = ("boxes", "scores", "classes", "valid")
 # A mask model's further outputs.
 MASK_OUTPUT_NAMES = ("masks",)
+# What model.json's "program_format" names: a serialized jax.export or an ONNX model.
+PROGRAM_JAX = "jax"
+PROGRAM_ONNX = "onnx"
+# Images per call of a program with a dynamic batch dimension, in `ExportedDetector.predict`.
+DYNAMIC_BATCH_CHUNK = 8
 # 2: uint8 images and their sizes in, normalised inside the program (1 took normalised float32 images).
 FORMAT_VERSION = 2
 
 
-def _host_params(params: Any) -> Any:
+def host_params(params: Any) -> Any:
     """The (possibly sharded, possibly multi-host) parameters as numpy arrays on this host."""
+    if all(isinstance(leaf, np.ndarray) for leaf in jax.tree.leaves(params)):
+        return params  # gathered already
     if jax.process_count() > 1:
         # Shards on other hosts are not addressable here; every process must join the gather.
         return multihost_utils.process_allgather(params, tiled=True)
@@ -76,9 +84,28 @@ def detection_function(predictor: Predictor) -> Callable[[jax.Array, jax.Array],
     LoRA adapters (`model.backbone.lora_rank` > 0) runs with them merged into
     its kernels: the plain backbone, computing what the adapted one does.
     """
+    objective, params = _program_objective(predictor)
+
+    def detect(images: jax.Array, image_hw: jax.Array) -> dict[str, jax.Array]:
+        outputs = objective.detect(params, images, image_hw)
+        return {name: outputs[name] for name in (*OUTPUT_NAMES, *MASK_OUTPUT_NAMES) if name in outputs}
+
+    return detect
+
+
+def network_function(predictor: Predictor) -> Callable[[jax.Array, jax.Array], Any]:
+    """`(images, image_hw) -> the network's raw outputs` (before top-k and NMS), as `detection_function`'s
+    program computes them: the same parameters, constants, normalisation; for checking an exported program's
+    network (see `families.Objective.network`)."""
+    objective, params = _program_objective(predictor)
+    return functools.partial(objective.network, params)
+
+
+def _program_objective(predictor: Predictor) -> tuple[families.Objective, Any]:
+    """The objective an exported program runs and its parameters on this host (LoRA adapters merged)."""
     config = predictor.config
-    family_detect = predictor.run.objective.detect
-    params = _host_params(predictor.params)
+    objective = predictor.run.objective
+    params = host_params(predictor.params)
     num_classes = predictor.dataset_info.num_classes
     backbone = config.model.backbone
     if backbone.get("lora_rank", 0):
@@ -93,13 +120,8 @@ def detection_function(predictor: Predictor) -> Callable[[jax.Array, jax.Array],
             config.model.backbone.lora_rank = 0
             config.model.backbone.training = "full"
         # Another network (no adapters): its own objective.
-        family_detect = families.objective(config, families.create_model(config, num_classes), num_classes).detect
-
-    def detect(images: jax.Array, image_hw: jax.Array) -> dict[str, jax.Array]:
-        outputs = family_detect(params, images, image_hw)
-        return {name: outputs[name] for name in (*OUTPUT_NAMES, *MASK_OUTPUT_NAMES) if name in outputs}
-
-    return detect
+        objective = families.objective(config, families.create_model(config, num_classes), num_classes)
+    return objective, params
 
 
 def _check_batch_size(batch_size: int) -> int:
@@ -133,12 +155,19 @@ def export_predictor(
         return jax.export.export(jax.jit(detect), platforms=tuple(platforms))(images, image_hw)
 
 
-def artifact_metadata(exported: jax.export.Exported, predictor: Predictor) -> dict[str, Any]:
-    """model.json's content: what a user of the artifact needs to know, in plain JSON types."""
+def artifact_metadata(
+    predictor: Predictor, inputs: Sequence[Any], outputs: dict[str, Any], program: dict[str, Any]
+) -> dict[str, Any]:
+    """model.json's content: what a user of the artifact needs to know, in plain JSON types.
+
+    `inputs`: the program's (images, image_hw) shapes and dtypes (a symbolic
+    batch dimension is written as its name, and batch_size as null);
+    `outputs`: name -> shape and dtype; `program`: the program file's own
+    entries (its file, format and what runs it).
+    """
     config = predictor.config
-    images, image_hw = exported.in_avals
+    images, image_hw = inputs
     batch_size, height, width, _ = images.shape
-    outputs = jax.tree.unflatten(exported.out_tree, exported.out_avals)
     info = predictor.dataset_info
     postprocess = config.postprocess
     output_meaning = {
@@ -157,19 +186,17 @@ def artifact_metadata(exported: jax.export.Exported, predictor: Predictor) -> di
         )
     return {
         "format_version": FORMAT_VERSION,
-        "exported_file": EXPORTED_FILE,
-        "jax_version": jax.__version__,
-        "platforms": list(exported.platforms),
+        **program,
         "step": int(predictor.step),
         "backbone": str(config.model.backbone.name),
         "dataset": config.dataset.name,
-        "batch_size": int(batch_size),
+        "batch_size": int(batch_size) if isinstance(batch_size, int) else None,
         "input": {
             "name": "images",
-            "shape": list(images.shape),
+            "shape": _json_shape(images.shape),
             "dtype": str(images.dtype),
             "image_size": [int(height), int(width)],
-            "sizes": {"name": "image_hw", "shape": list(image_hw.shape), "dtype": str(image_hw.dtype)},
+            "sizes": {"name": "image_hw", "shape": _json_shape(image_hw.shape), "dtype": str(image_hw.dtype)},
             "preprocessing": (
                 "RGB image h x w (0-255); scale = min(H / h, W / w); resize to (round(h * scale), "
                 "round(w * scale)) (bilinear, antialiased, TF2 half-pixel centres); round to uint8; pad "
@@ -179,7 +206,9 @@ def artifact_metadata(exported: jax.export.Exported, predictor: Predictor) -> di
             "mean_rgb": [float(v) for v in config.input.mean_rgb],
             "std_rgb": [float(v) for v in config.input.std_rgb],
         },
-        "outputs": {name: {"shape": list(aval.shape), "dtype": str(aval.dtype)} for name, aval in outputs.items()},
+        "outputs": {
+            name: {"shape": _json_shape(aval.shape), "dtype": str(aval.dtype)} for name, aval in outputs.items()
+        },
         "output_meaning": output_meaning,
         **({"mask_stride": mask_branch.STRIDE} if "masks" in outputs else {}),
         "class_names": [str(name) for name in info.class_names],
@@ -197,12 +226,25 @@ def artifact_metadata(exported: jax.export.Exported, predictor: Predictor) -> di
     }
 
 
+def _json_shape(shape) -> list[int | str]:
+    """A shape in JSON: a symbolic dimension as its name (e.g. "batch")."""
+    return [int(d) if isinstance(d, int) else str(d) for d in shape]
+
+
 def write_artifact(exported: jax.export.Exported, predictor: Predictor, directory: str | epath.PathLike) -> epath.Path:
     """Writes DIRECTORY/model.jax_exported and DIRECTORY/model.json; returns the directory."""
     directory = epath.Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
     (directory / EXPORTED_FILE).write_bytes(bytes(exported.serialize()))
-    (directory / METADATA_FILE).write_text(json.dumps(artifact_metadata(exported, predictor), indent=2))
+    program = {
+        "exported_file": EXPORTED_FILE,
+        "program_format": PROGRAM_JAX,
+        "jax_version": jax.__version__,
+        "platforms": list(exported.platforms),
+    }
+    outputs = jax.tree.unflatten(exported.out_tree, exported.out_avals)
+    metadata = artifact_metadata(predictor, exported.in_avals, outputs, program)
+    (directory / METADATA_FILE).write_text(json.dumps(metadata, indent=2))
     return directory
 
 
@@ -220,14 +262,14 @@ def export_to_directory(
         return None
     directory = write_artifact(exported, predictor, directory)
     written = [directory / EXPORTED_FILE, directory / METADATA_FILE]
-    sizes = ", ".join(f"{path.name} ({_format_size(path.stat().length)})" for path in written)
+    sizes = ", ".join(f"{path.name} ({format_size(path.stat().length)})" for path in written)
     return (
         f"exported step {predictor.step}{f' ({checkpoint})' if checkpoint else ''} for batches of {batch_size} "
         f"on {'/'.join(exported.platforms)} to {directory}: {sizes}"
     )
 
 
-def _format_size(num_bytes: int) -> str:
+def format_size(num_bytes: int) -> str:
     size, unit = float(num_bytes), "B"
     for larger in ("KiB", "MiB", "GiB"):
         if size < 1024:
@@ -238,19 +280,23 @@ def _format_size(num_bytes: int) -> str:
 
 @dataclasses.dataclass(frozen=True)
 class ExportedDetector:
-    """A deserialized artifact and its metadata: predicts on RGB images of any size.
+    """A loaded artifact and its metadata: predicts on RGB images of any size.
 
     Attributes:
-      exported: the deserialized program (see `export_predictor`).
+      call: the program, `(images, image_hw) -> {output name: array}` on numpy
+        arrays (a deserialized jax.export, see `export_predictor`, or an ONNX
+        Runtime session, see `onnx_export`).
       metadata: model.json's content (see `artifact_metadata`).
     """
 
-    exported: jax.export.Exported
+    call: Callable[[np.ndarray, np.ndarray], dict[str, np.ndarray]]
     metadata: dict[str, Any]
 
     @property
-    def batch_size(self) -> int:
-        return int(self.metadata["batch_size"])
+    def batch_size(self) -> int | None:
+        """The program's fixed batch size; None for a dynamic batch dimension (an ONNX model)."""
+        size = self.metadata["batch_size"]
+        return None if size is None else int(size)
 
     @property
     def class_names(self) -> tuple[str, ...]:
@@ -287,14 +333,13 @@ class ExportedDetector:
         rows = [network_input(image, index, opts) for index, image in enumerate(images)]
         blank = {key: np.zeros_like(rows[0][key]) for key in ("image", "image_hw")} if rows else None
         results: list[dict[str, np.ndarray]] = []
-        for first in range(0, len(rows), self.batch_size):
-            chunk = rows[first : first + self.batch_size]
-            # The program's batch size is fixed: the last batch is filled with blank images.
-            filled = chunk + [blank] * (self.batch_size - len(chunk))
-            outputs = jax.device_get(
-                self.exported.call(
-                    np.stack([row["image"] for row in filled]), np.stack([row["image_hw"] for row in filled])
-                )
+        step = self.batch_size or DYNAMIC_BATCH_CHUNK
+        for first in range(0, len(rows), step):
+            chunk = rows[first : first + step]
+            # A fixed batch size: the last batch is filled with blank images.
+            filled = chunk + [blank] * (step - len(chunk)) if self.batch_size else chunk
+            outputs = self.call(
+                np.stack([row["image"] for row in filled]), np.stack([row["image_hw"] for row in filled])
             )
             for i, row in enumerate(chunk):
                 keep = outputs["valid"][i]
@@ -318,18 +363,44 @@ class ExportedDetector:
 
 
 def load_artifact(directory: str | epath.PathLike) -> ExportedDetector:
-    """Reads what `write_artifact` wrote to `directory`."""
+    """Reads what `write_artifact` (or `onnx_export.export_to_directory`) wrote to `directory`.
+
+    An ONNX model runs in ONNX Runtime (`pip install -e ".[onnx]"`), on its CPU provider.
+    """
     directory = epath.Path(directory)
-    for name in (EXPORTED_FILE, METADATA_FILE):
-        if not (directory / name).exists():
-            raise FileNotFoundError(
-                f"{directory / name} does not exist: export a model there first (python -m detector.export)"
-            )
+    if not (directory / METADATA_FILE).exists():
+        raise FileNotFoundError(
+            f"{directory / METADATA_FILE} does not exist: export a model there first (python -m detector.export)"
+        )
     metadata = json.loads((directory / METADATA_FILE).read_text())
     if metadata.get("format_version") != FORMAT_VERSION:
         raise ConfigError(
             f"{directory} holds an artifact of format {metadata.get('format_version')}; this version reads format "
             f"{FORMAT_VERSION} (uint8 images in): export the model again with python -m detector.export"
         )
-    exported = jax.export.deserialize(bytearray((directory / EXPORTED_FILE).read_bytes()))
-    return ExportedDetector(exported=exported, metadata=metadata)
+    program_file = directory / metadata["exported_file"]
+    if not program_file.exists():
+        raise FileNotFoundError(
+            f"{program_file} does not exist: export a model there first (python -m detector.export)"
+        )
+    if metadata.get("program_format", PROGRAM_JAX) == PROGRAM_ONNX:
+        return ExportedDetector(call=_onnx_runtime_call(str(program_file)), metadata=metadata)
+    exported = jax.export.deserialize(bytearray(program_file.read_bytes()))
+    return ExportedDetector(call=lambda *inputs: jax.device_get(exported.call(*inputs)), metadata=metadata)
+
+
+def _onnx_runtime_call(path: str) -> Callable[[np.ndarray, np.ndarray], dict[str, np.ndarray]]:
+    """An ONNX Runtime session of the model at `path`, as `(images, image_hw) -> {output name: array}`."""
+    try:
+        import onnxruntime
+    except ImportError as e:
+        raise ConfigError(f'{path} is an ONNX model, which needs onnxruntime: pip install -e ".[onnx]"') from e
+    options = onnxruntime.SessionOptions()
+    options.log_severity_level = 3  # its shape-merging warnings name the converter's internal values
+    session = onnxruntime.InferenceSession(path, options, providers=["CPUExecutionProvider"])
+    names = [output.name for output in session.get_outputs()]
+
+    def call(images: np.ndarray, image_hw: np.ndarray) -> dict[str, np.ndarray]:
+        return dict(zip(names, session.run(names, {"images": images, "image_hw": image_hw}), strict=True))
+
+    return call

@@ -106,7 +106,12 @@ def objective(config, model: nn.Module, num_classes: int, *, predict_model: nn.M
     def detect(params, images, image_hw):
         return detecting.detect(params, network_images(images, image_hw))
 
-    return Objective(loss=loss, detect=detect, outputs_per_image=family.outputs_per_image)
+    network_model = model if predict_model is None else predict_model
+
+    def network(params, images, image_hw):
+        return network_model.apply({"params": params}, network_images(images, image_hw))
+
+    return Objective(loss=loss, detect=detect, outputs_per_image=family.outputs_per_image, network=network)
 
 
 def _normalization(input_config) -> tuple[tuple[float, ...], tuple[float, ...]]:

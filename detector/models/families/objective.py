@@ -24,8 +24,14 @@ class Objective:
       Images are the batch's uint8 `[B, H, W, 3]`, image_hw its int32
       `[B, 2]` (see input_pipeline.batch): both functions normalise on the device.
     outputs_per_image: anchors or queries, for logs.
+    network: `(params, images, image_hw) -> outputs` of the network `detect`
+      runs, before any post-processing (a pytree of arrays: RetinaNet's class
+      logits and box deltas, DINO's per-layer logits and boxes), for checking
+      an exported program's network against this one; None where a family's
+      own objective is not wrapped by `families.objective`.
     """
 
     loss: Callable[..., tuple[jax.Array, dict[str, jax.Array]]]
     detect: Callable[[Any, jax.Array, jax.Array], dict[str, jax.Array]]
     outputs_per_image: str
+    network: Callable[[Any, jax.Array, jax.Array], Any] | None = None
