@@ -41,6 +41,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import dataclasses
+import hashlib
 import itertools
 import json
 import logging
@@ -220,8 +221,15 @@ class _Fill:
         return jax.lax.reshape(filled, self.shape)
 
 
-def _evaluate(jaxpr, consts, *args) -> list:
-    """Evaluates `jaxpr` primitive by primitive (under whatever trace calls it), with the ONNX forms of the module docstring in place."""
+def _evaluate(jaxpr, consts, *args, memo: dict | None = None) -> list:
+    """Evaluates `jaxpr` primitive by primitive (under whatever trace calls it), with the ONNX forms of the
+    module docstring in place.
+
+    An equation whose primitive, parameters and inputs were evaluated before is not evaluated again
+    (`memo`, shared with the nested calls): the network traced twice (its raw outputs beside the
+    detections) converts once.
+    """
+    memo = {} if memo is None else memo
     env: dict = {}
 
     def read(var):
@@ -229,7 +237,8 @@ def _evaluate(jaxpr, consts, *args) -> list:
             return var.val
         value = env[var]
         if isinstance(value, _Fill):
-            value = env[var] = value.array()
+            key = ("fill", _value_key(value.scalar), tuple(map(str, value.shape)))
+            value = env[var] = _memoized(memo, key, (value.scalar,), lambda fill=value: [fill.array()])[0]
         return value
 
     for var, value in zip(jaxpr.constvars, consts, strict=True):
@@ -249,31 +258,58 @@ def _evaluate(jaxpr, consts, *args) -> list:
                 env[eqn.outvars[0]] = _Fill(scalar, eqn.params["shape"], eqn.params["sharding"])
                 continue
         values = [read(v) for v in eqn.invars]
-        if name == "reduce_window_max":
-            outputs = [_max_of_slices(values[0], **eqn.params)]
-        elif name == "scan":
-            outputs = _scan_in_onnx_forms(eqn, values)
-        elif name == "gather" and eqn.params["dimension_numbers"].operand_batching_dims:
-            outputs = [_gather_with_batch_indices(*values, **eqn.params)]
-        elif name.startswith("scatter"):
-            outputs = [_scatter_in_onnx_forms(eqn, *values)]
-        elif name == "while":
+        if name == "while":
             raise ConfigError(
                 "the detection program holds a data-dependent loop (lax.while_loop), which has no fixed ONNX "
                 "form; export it as StableHLO (--format=jax)"
             )
-        elif name in ("jit", "pjit", "custom_jvp_call", "custom_vjp_call", "closed_call") and _inner_jaxpr(eqn):
-            # Inference only: a custom derivative rule is dropped with its call.
-            inner = _inner_jaxpr(eqn)
-            outputs = _evaluate(inner.jaxpr, inner.consts, *values)
-        else:
-            with eqn.ctx.manager:
-                outputs = eqn.primitive.bind(*values, **eqn.primitive.get_bind_params(eqn.params))
-            if not eqn.primitive.multiple_results:
-                outputs = [outputs]
+        try:
+            key = (eqn.primitive, tuple(map(_value_key, values)), tuple(sorted(eqn.params.items())))
+            hash(key)
+        except TypeError:  # unhashable parameters: evaluated every time
+            key = None
+        outputs = _memoized(memo, key, values, lambda eqn=eqn, values=values: _evaluate_equation(eqn, values, memo))
         for var, value in zip(eqn.outvars, outputs, strict=True):
             env[var] = value
     return [read(v) for v in jaxpr.outvars]
+
+
+def _evaluate_equation(eqn, values, memo) -> list:
+    name = eqn.primitive.name
+    if name == "reduce_window_max":
+        return [_max_of_slices(values[0], **eqn.params)]
+    if name == "scan":
+        return _scan_in_onnx_forms(eqn, values)
+    if name == "gather" and eqn.params["dimension_numbers"].operand_batching_dims:
+        return [_gather_with_batch_indices(*values, **eqn.params)]
+    if name.startswith("scatter"):
+        return [_scatter_in_onnx_forms(eqn, *values)]
+    if name in ("jit", "pjit", "custom_jvp_call", "custom_vjp_call", "closed_call") and _inner_jaxpr(eqn):
+        # Inference only: a custom derivative rule is dropped with its call.
+        inner = _inner_jaxpr(eqn)
+        return _evaluate(inner.jaxpr, inner.consts, *values, memo=memo)
+    with eqn.ctx.manager:
+        outputs = eqn.primitive.bind(*values, **eqn.primitive.get_bind_params(eqn.params))
+    return outputs if eqn.primitive.multiple_results else [outputs]
+
+
+def _value_key(value):
+    """A scalar by its value, anything else by its identity (`_memoized` checks it is the same object)."""
+    if np.ndim(value) == 0 and not isinstance(value, jax.core.Tracer):
+        return ("scalar", np.asarray(value).dtype.str, np.asarray(value).item())
+    return id(value)
+
+
+def _memoized(memo: dict, key, values, evaluate) -> list:
+    if key is None:
+        return evaluate()
+    hit = memo.get(key)
+    # An identity key holds only while its object lives: the memo keeps the inputs and compares them.
+    if hit is not None and all(a is b or np.ndim(a) == 0 for a, b in zip(hit[0], values, strict=True)):
+        return hit[1]
+    outputs = evaluate()
+    memo[key] = (list(values), outputs)
+    return outputs
 
 
 # ----------------------------------------------------------------------------
@@ -311,7 +347,8 @@ def onnx_function(
       (fn(images, image_hw) -> outputs in `names`' order, names, the inputs' ShapeDtypeStructs, whose batch
       dimension is the symbol `BATCH_DIM`).
     """
-    predictor = float32_predictor(predictor)
+    # The parameters on this host once: the detections and the network's outputs read the same constants.
+    predictor = dataclasses.replace(float32_predictor(predictor), params=artifact.host_params(predictor.params))
     height, width = (int(v) for v in predictor.config.input.image_size)
     batch = jax.export.symbolic_shape(BATCH_DIM)[0]
     inputs = (
@@ -334,10 +371,25 @@ def onnx_function(
 
         closed = jax.make_jaxpr(program)(*inputs)
 
+    consts = _shared_constants(closed.consts)
+
     def fn(images, image_hw):
-        return tuple(_evaluate(closed.jaxpr, closed.consts, images, image_hw))
+        return tuple(_evaluate(closed.jaxpr, consts, images, image_hw))
 
     return fn, names, inputs
+
+
+def _shared_constants(consts: list) -> list:
+    """`consts` with each array equal to an earlier one replaced by it: the jaxpr holds a parameter (or a
+    table computed while tracing) once per traced call, and `_evaluate` merges equations by their inputs'
+    identity. Hashing reads each array once (about 1 GB/s)."""
+    canonical: dict = {}
+    shared = []
+    for const in consts:
+        array = np.ascontiguousarray(np.asarray(const))
+        key = (array.shape, array.dtype.str, hashlib.blake2b(memoryview(array).cast("B")).digest())
+        shared.append(canonical.setdefault(key, const))
+    return shared
 
 
 def export_onnx(
