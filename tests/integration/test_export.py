@@ -217,3 +217,31 @@ def test_export_command_reports_a_missing_checkpoint_in_one_line(reference_run, 
     assert last_line.startswith("error: ") and "--checkpoint=99" in last_line, result.stderr[-3000:]
     assert "Traceback" not in result.stderr
     assert not (tmp_path / artifact.EXPORTED_FILE).exists()
+
+
+def test_export_command_writes_an_onnx_model_that_detects_what_the_predictor_does(reference_run, data_dir, tmp_path):
+    pytest.importorskip("jax2onnx")
+    pytest.importorskip("onnxruntime")
+    directory = tmp_path / "onnx"
+    overrides = [f"--config.{key}={value}" for key, value in EXPORT_OVERRIDES.items()]
+    result = run_export_command(reference_run, data_dir, "--format=onnx", f"--output={directory}", *overrides)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert f"exported step 4 (last) as ONNX (opset 21, any batch size) to {directory}" in result.stdout
+    metadata = json.loads((directory / artifact.METADATA_FILE).read_text())
+    assert metadata["program_format"] == "onnx" and metadata["exported_file"] == "model.onnx"
+    assert metadata["batch_size"] is None and metadata["input"]["shape"] == ["batch", 64, 64, 3]
+    assert metadata["outputs"]["boxes"] == {"shape": ["batch", MAX_DETECTIONS, 4], "dtype": "float32"}
+    config = make_config(data_dir, **EXPORT_OVERRIDES)
+    predictor = load_predictor(config, str(reference_run.workdir), "last")
+    # onnxruntime in a new process, through the artifact's loader: three images in one call.
+    assert_fresh_process_detects_what_the_predictor_does(directory, predictor, tmp_path, MAX_DETECTIONS)
+
+
+def test_export_command_refuses_an_onnx_opset_the_converter_lacks_in_one_line(reference_run, data_dir, tmp_path):
+    pytest.importorskip("jax2onnx")
+    result = run_export_command(reference_run, data_dir, "--format=onnx", "--opset=7", f"--output={tmp_path}")
+    assert result.returncode != 0
+    last_line = result.stderr.strip().splitlines()[-1]
+    assert last_line.startswith("error: --opset=7: the ONNX converter writes opsets 18 to"), result.stderr[-3000:]
+    assert "Traceback" not in result.stderr
+    assert not any(tmp_path.iterdir())

@@ -164,7 +164,9 @@ def exported(request, tmp_path_factory):
     predictor = initialized_predictor(config)
     directory = tmp_path_factory.mktemp(f"onnx_{request.param}")
     path = onnx_export.export_onnx(predictor, str(directory), with_network=True)
-    return types.SimpleNamespace(config=config, predictor=predictor, path=path, padded=padded, session=onnx_session(path))
+    return types.SimpleNamespace(
+        config=config, predictor=predictor, path=path, padded=padded, session=onnx_session(path)
+    )
 
 
 def test_cases_cover_a_bf16_recipe_and_both_forms_of_the_deformable_attention():
