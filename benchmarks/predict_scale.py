@@ -22,10 +22,19 @@ What 2 processes should show against 1: about twice the images/s (each
 decodes and predicts its own rows), and per-process memory flat in the
 number of images (paths are memory-mapped from the on-disk index, rows go
 to disk as they are committed).
+
+A second table puts the same model's exported programs side by side, each
+timed in one process pinned to one core on the same preprocessed batch
+(uint8 network inputs, so decoding is left out): the StableHLO program
+(`detector.export`, run by JAX) and the ONNX model (`--format=onnx`, run by
+onnxruntime's CPU provider), at batches of 1 and --batch_size; the median of
+20 calls after 3 warm-up calls. Left out, with a line saying so, where the
+ONNX converter is not installed.
 """
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import shutil
@@ -174,6 +183,64 @@ def _run(workdir: str, images: str, processes: int, output: str) -> dict:
     }
 
 
+_PROGRAM_TIMING = """
+import json, sys, time
+import numpy as np
+from detector.serving import artifact
+directory, batch_size = sys.argv[1], int(sys.argv[2])
+detector = artifact.load_artifact(directory)
+height, width = detector.metadata["input"]["image_size"]
+rng = np.random.default_rng(0)
+images = rng.integers(0, 256, (batch_size, height, width, 3), np.uint8)
+image_hw = np.tile(np.array([[height, width]], np.int32), (batch_size, 1))
+for _ in range(3):
+    detector.call(images, image_hw)
+seconds = []
+for _ in range(20):
+    start = time.perf_counter()
+    detector.call(images, image_hw)
+    seconds.append(time.perf_counter() - start)
+print(json.dumps({"median_s": float(np.median(seconds))}))
+"""
+
+
+def _export(workdir: str, program_format: str, batch_size: int) -> str:
+    output = os.path.join(workdir, f"export_{program_format}_{batch_size}")
+    command = [sys.executable, "-m", "detector.export", *_model_flags(workdir), f"--output={output}"]
+    command += [f"--format={program_format}", f"--batch_size={batch_size}", "--config.postprocess.score_threshold=0.0"]
+    command += ["--config.postprocess.max_detections=20"]
+    subprocess.run(command, check=True, capture_output=True, env={**os.environ, "JAX_PLATFORMS": "cpu"})
+    return output
+
+
+def _program_rows(workdir: str) -> list[list]:
+    """[program, batch, ms per call, images/s] for the StableHLO program and the ONNX model, one core each."""
+    try:
+        import jax2onnx  # noqa: F401
+        import onnxruntime  # noqa: F401
+    except ImportError as e:
+        print(f"ONNX rows left out: {e.name} is not installed (pip install -e '.[onnx]', then jax2onnx)", flush=True)
+        return []
+    rows = []
+    onnx_model = _export(workdir, "onnx", 1)
+    for batch_size in sorted({1, _BATCH.value}):
+        for name, directory in (
+            ("StableHLO (JAX)", _export(workdir, "jax", batch_size)),
+            ("ONNX (onnxruntime)", onnx_model),
+        ):
+            result = subprocess.run(
+                ["taskset", "-c", "0", sys.executable, "-c", _PROGRAM_TIMING, directory, str(batch_size)],
+                check=True,
+                capture_output=True,
+                text=True,
+                env={**os.environ, "JAX_PLATFORMS": "cpu", "OMP_NUM_THREADS": "1"},
+            )
+            median_s = json.loads(result.stdout.strip().splitlines()[-1])["median_s"]
+            rows.append([name, batch_size, 1000 * median_s, batch_size / median_s])
+            print(rows[-1], flush=True)
+    return rows
+
+
 def main(argv: list[str]) -> None:
     del argv
     workdir = _WORKDIR.value or tempfile.mkdtemp(prefix="predict_scale_")
@@ -202,6 +269,15 @@ def main(argv: list[str]) -> None:
         rows,
         extra={"workdir": workdir, "batch_size": _BATCH.value},
     )
+    program_rows = _program_rows(workdir)
+    if program_rows:
+        report.emit(
+            "predict_scale_programs",
+            "The exported programs of the same model, one core, one preprocessed batch (20 detections an image)",
+            ["program", "batch", "ms per call", "images/s"],
+            program_rows,
+            extra={"workdir": workdir},
+        )
 
 
 if __name__ == "__main__":
