@@ -52,6 +52,7 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.extend.core import primitives
 
 from detector.errors import ConfigError
 from detector.models import families
@@ -141,7 +142,7 @@ def _gather_with_batch_indices(operand, indices, *, dimension_numbers, **params)
     )
 
 
-def _scan_in_onnx_forms(eqn, args):
+def _loop_in_onnx_forms(eqn, args):
     """The scan again, its body evaluated by `_evaluate` (jax2onnx writes it as an ONNX Loop)."""
     params = eqn.params
     body, num_consts, num_carry = params["jaxpr"], params["num_consts"], params["num_carry"]
@@ -278,8 +279,8 @@ def _evaluate_equation(eqn, values, memo) -> list:
     name = eqn.primitive.name
     if name == "reduce_window_max":
         return [_max_of_slices(values[0], **eqn.params)]
-    if name == "scan":
-        return _scan_in_onnx_forms(eqn, values)
+    if eqn.primitive is primitives.scan_p:  # a fixed-length loop
+        return _loop_in_onnx_forms(eqn, values)
     if name == "gather" and eqn.params["dimension_numbers"].operand_batching_dims:
         return [_gather_with_batch_indices(*values, **eqn.params)]
     if name.startswith("scatter"):
@@ -520,14 +521,14 @@ def _linear_converter_lookups():
     from jax2onnx.converter import conversion_api, output_binding
     from jax2onnx.plugins.jax.lax import broadcast_in_dim
 
-    scan = output_binding._value_is_graph_connected
+    connected_by_search = output_binding._value_is_graph_connected
     optimize = conversion_api._optimize_graph_with_failure_policy
     materialize = broadcast_in_dim._materialize_constant_array
 
     def connected(ctx, value):
         if value.producer() is not None or value.is_graph_input() or value.is_initializer():
             return True
-        return value.name in ctx.builder.graph.initializers or scan(ctx, value)
+        return value.name in ctx.builder.graph.initializers or connected_by_search(ctx, value)
 
     def constant_array(ctx, value, seen=None):
         name = getattr(value, "name", None)
@@ -547,7 +548,7 @@ def _linear_converter_lookups():
     try:
         yield
     finally:
-        output_binding._value_is_graph_connected = scan
+        output_binding._value_is_graph_connected = connected_by_search
         broadcast_in_dim._materialize_constant_array = materialize
         conversion_api._optimize_graph_with_failure_policy = optimize
 

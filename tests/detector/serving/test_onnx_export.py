@@ -5,7 +5,8 @@ program, not what training made of it) at a non-square input, exported once
 with its network's raw outputs beside the detections, and run by onnxruntime
 on batches of 1 and 8. A score threshold of 0 fills every detection slot.
 DINO is exported at two sizes: the deformable attention's scatter-add form
-(up to 512 value positions) and its row gathers (above).
+(up to 512 value positions) and its row gathers (above); Mask DINO with its
+masks.
 
 DINO is compared on images that fill the input. On a padded
 one (image_hw smaller than the input) its outputs are sensitive to float
@@ -23,7 +24,7 @@ import jax
 import numpy as np
 import pytest
 
-from configs import default, dino_tiny, vitdet_tiny
+from configs import default, dino_tiny, mask_dino_tiny, vitdet_tiny
 from detector.errors import ConfigError
 from detector.ops import deformable_attention
 from detector.serving import artifact
@@ -65,6 +66,7 @@ CASES = {
     "dino_scatter_add": (dino_tiny, {**DINO_SHRUNK, "input.image_size": (64, 96)}, False),
     "dino_gather": (dino_tiny, {**DINO_SHRUNK, "input.image_size": (160, 176)}, False),
     "vitdet": (vitdet_tiny, {"input.image_size": (128, 160)}, True),
+    "mask_dino": (mask_dino_tiny, {**DINO_SHRUNK, "input.image_size": (64, 96)}, False),
 }
 
 
@@ -136,9 +138,9 @@ def run_onnx(session, images, image_hw) -> dict[str, np.ndarray]:
 
 
 def assert_same_detections(got, want):
-    """One to one: every valid detection of `want` has one in `got` with its label, its box to 1e-3 px and its
-    score to 1e-4, and no more; matched regardless of order, so detections whose scores tie within rounding
-    may swap places."""
+    """One to one: every valid detection of `want` has one in `got` with its label, its box to 1e-3 px, its
+    score to 1e-4 (and a mask model's mask logits to 1e-4), and no more; matched regardless of order, so
+    detections whose scores tie within rounding may swap places."""
     for image in range(want["valid"].shape[0]):
         assert got["valid"][image].sum() == want["valid"][image].sum(), f"image {image}: valid counts differ"
         unmatched = list(np.flatnonzero(got["valid"][image]))
@@ -154,6 +156,10 @@ def assert_same_detections(got, want):
                 f"image {image}: no exported detection matches slot {slot}: class {want['classes'][image, slot]}, "
                 f"score {want['scores'][image, slot]}, box {want['boxes'][image, slot]}"
             )
+            if "masks" in want:
+                np.testing.assert_allclose(
+                    got["masks"][image, candidates[0]], want["masks"][image, slot], atol=NETWORK_ATOL, rtol=NETWORK_ATOL
+                )
             unmatched.remove(candidates[0])
 
 
@@ -169,7 +175,8 @@ def exported(request, tmp_path_factory):
     )
 
 
-def test_cases_cover_a_bf16_recipe_and_both_forms_of_the_deformable_attention():
+def test_cases_cover_a_bf16_recipe_masks_and_both_forms_of_the_deformable_attention():
+    assert make_config(*CASES["mask_dino"][:2]).model.dino.mask_dim > 0
     assert CASES["retinanet"][1]["model.dtype"] == "bfloat16"
 
     def positions(overrides):
